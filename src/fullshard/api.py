@@ -1,0 +1,339 @@
+"""``fully_shard`` and ``FSDPModule``: the drop-in surface of ``torch.distributed.fsdp``."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, NoReturn, overload
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from fullshard.collectives import CommStreams
+from fullshard.group import ParamGroup
+from fullshard.layout import ParamLayout
+from fullshard.mesh import MeshInfo, mesh_device, resolve_mesh
+from fullshard.param import ParamSite, ShardedParam
+from fullshard.policy import MixedPrecisionPolicy, OffloadPolicy, validate_mp_policy, validate_offload_policy
+from fullshard.runtime import ShardState, state_of
+
+
+class AlreadyShardedError(ValueError, AssertionError):
+    """``fully_shard`` was applied to a module twice.
+
+    A ``ValueError`` (misuse), and also an ``AssertionError`` because that is
+    what ``torch.distributed.fsdp.fully_shard`` raises for the same mistake.
+    """
+
+
+@overload
+def fully_shard(module: nn.Module, **kwargs: Any) -> FSDPModule: ...
+@overload
+def fully_shard(module: list[nn.Module], **kwargs: Any) -> list[FSDPModule]: ...
+
+
+def fully_shard(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: OffloadPolicy = OffloadPolicy(),
+    ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: object | None = None,
+) -> Any:
+    """Shard ``module``'s parameters over ``mesh`` and unshard them around its forward and backward.
+
+    The parameters of ``module`` (or of every module in a list) that no earlier
+    ``fully_shard`` call on a submodule took form one group: all-gathered in one
+    collective before the module runs, reduce-scattered in one collective after
+    its backward. Call it bottom-up (blocks first, root last). Each parameter
+    becomes a ``DTensor`` with a ``Shard(0)`` placement (or the one
+    ``shard_placement_fn`` returns) whose local tensor is a view into the group's
+    flat shard buffer. The module's class becomes a subclass of
+    :class:`FSDPModule`; the same module object is returned.
+
+    ``reshard_after_forward``: ``True`` frees the unsharded parameters after
+    forward and all-gathers them again in backward; ``False`` keeps them;
+    ``None`` means ``False`` for the root and ``True`` otherwise.
+    """
+    if dp_mesh_dims is not None:
+        raise NotImplementedError("fully_shard(dp_mesh_dims=...) is not supported; pass the data-parallel mesh as mesh")
+    modules = _validate_modules(module)
+    if not isinstance(reshard_after_forward, (bool, int, type(None))):
+        raise ValueError(
+            f"reshard_after_forward should be a bool, an int or None, not {reshard_after_forward!r}"
+        )
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError("reshard_after_forward as an int is not supported yet; pass True or False")
+    mp_policy = validate_mp_policy(mp_policy)
+    validate_offload_policy(offload_policy)
+    mesh_info = resolve_mesh(mesh)
+    device = mesh_device(mesh_info.mesh)
+
+    managed = _managed_modules(modules)
+    owned_elsewhere = _params_of_descendant_groups(modules)
+    ignored = set(ignored_params or ())
+    sites: dict[nn.Parameter, list[ParamSite]] = {}
+    fqns: dict[nn.Parameter, str] = {}
+    for prefix, mod in managed:
+        for name, param in mod.named_parameters(recurse=False):
+            if param in ignored:
+                continue
+            fqn = f"{prefix}.{name}" if prefix else name
+            if param in owned_elsewhere:
+                raise ValueError(
+                    f"parameter {fqn!r} is already sharded by fully_shard on {owned_elsewhere[param]!r}; "
+                    "a shared parameter must be sharded in one group: call fully_shard on a module "
+                    "that contains every module using it"
+                )
+            if param not in sites:
+                fqns[param] = fqn
+                sites[param] = []
+            sites[param].append(ParamSite(mod, name))
+        for buf_name, buf in mod.named_buffers(recurse=False):
+            if buf.device != device and buf.device.type != "meta":
+                mod._buffers[buf_name] = buf.to(device)
+
+    params = list(sites)
+    _check_params(params, fqns, mesh_info, device)
+    streams = CommStreams(device)
+    group = None
+    if params:
+        sharded = [
+            ShardedParam(fqns[p], sites[p], p, _layout(p, fqns[p], shard_placement_fn, mesh_info), mesh_info)
+            for p in params
+        ]
+        group = ParamGroup(
+            sharded, params, mesh_info, device,
+            mp_policy.param_dtype, mp_policy.reduce_dtype, streams,
+        )
+        group.label = type(modules[0]).__name__
+    ShardState(tuple(modules), group, device, reshard_after_forward, mp_policy, streams)
+    for mod in modules:
+        _become_fsdp_module(mod)
+    return module
+
+
+def _validate_modules(module: nn.Module | list[nn.Module]) -> list[nn.Module]:
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    if not modules:
+        raise ValueError("fully_shard got an empty list of modules")
+    for mod in modules:
+        if not isinstance(mod, nn.Module):
+            raise TypeError(f"fully_shard expects an nn.Module or a list of them, got {type(mod).__name__}")
+        if type(mod).forward is nn.Module.forward and isinstance(mod, (nn.ModuleList, nn.ModuleDict)):
+            raise ValueError(
+                f"fully_shard does not support containers that do not implement forward: {type(mod).__name__}; "
+                "shard the modules inside it, or pass them as a list"
+            )
+        if state_of(mod) is not None:
+            raise AlreadyShardedError(
+                f"fully_shard has already been applied to this {type(mod).__name__}; "
+                "each module can be sharded once (shard children first, then the root)"
+            )
+    return modules
+
+
+def _managed_modules(modules: list[nn.Module]) -> list[tuple[str, nn.Module]]:
+    """Modules whose own parameters this call takes: stop at already-sharded subtrees."""
+    seen: set[nn.Module] = set()
+    managed: list[tuple[str, nn.Module]] = []
+
+    def visit(prefix: str, mod: nn.Module, is_top: bool) -> None:
+        if mod in seen or (not is_top and state_of(mod) is not None):
+            return
+        seen.add(mod)
+        managed.append((prefix, mod))
+        for name, child in mod.named_children():
+            visit(f"{prefix}.{name}" if prefix else name, child, False)
+
+    for mod in modules:
+        visit("", mod, True)
+    return managed
+
+
+def _params_of_descendant_groups(modules: list[nn.Module]) -> dict[nn.Parameter, str]:
+    owned: dict[nn.Parameter, str] = {}
+    for top in modules:
+        for name, mod in top.named_modules():
+            state = state_of(mod)
+            if state is not None and state.group is not None:
+                for p in state.group.params:
+                    owned[p.sharded] = name
+    return owned
+
+
+def _check_params(params: list[nn.Parameter], fqns: dict[nn.Parameter, str], mesh_info: MeshInfo, device: torch.device) -> None:
+    for p in params:
+        fqn = fqns[p]
+        if isinstance(p, DTensor):
+            raise NotImplementedError(
+                f"parameter {fqn!r} is already a DTensor (tensor parallel); composing with it is not supported yet"
+            )
+        if p.dim() == 0:
+            raise ValueError(f"fully_shard doesn't support scalar parameters. Change {fqn} to a 1D tensor with numel equal to 1.")
+        if p.device.type == "meta":
+            raise NotImplementedError(
+                f"parameter {fqn!r} is on the meta device; meta-device initialisation is not supported yet"
+            )
+        check_param_device(fqn, p.device, device)
+    dtypes = {p.dtype for p in params}
+    if len(dtypes) > 1:
+        listing = ", ".join(f"{fqns[p]}: {p.dtype}" for p in params)
+        raise NotImplementedError(
+            f"parameters of one fully_shard group must share a dtype, got {listing}; "
+            "shard modules of different dtypes in separate fully_shard calls"
+        )
+
+
+def check_param_device(fqn: str, param_device: torch.device, mesh_dev: torch.device) -> None:
+    """Parameters on CPU are moved to the mesh's device; any other device must be the mesh's."""
+    if param_device.type == "cpu" or param_device == mesh_dev:
+        return
+    if param_device.type == mesh_dev.type and param_device.index in (None, mesh_dev.index):
+        return
+    raise ValueError(
+        f"parameter {fqn!r} is on {param_device} but the mesh computes on {mesh_dev}; "
+        f"move the module to {mesh_dev} (or to cpu) before fully_shard, or pass a mesh of device type "
+        f"{param_device.type!r}"
+    )
+
+
+def _layout(
+    param: nn.Parameter, fqn: str, shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None, mesh_info: MeshInfo
+) -> ParamLayout:
+    placement = shard_placement_fn(param) if shard_placement_fn is not None else None
+    if placement is None:
+        dim = 0
+    elif isinstance(placement, Shard):
+        dim = placement.dim if placement.dim >= 0 else placement.dim + param.dim()
+        if not 0 <= dim < param.dim():
+            raise ValueError(f"shard_placement_fn returned {placement} for {fqn!r} with shape {tuple(param.shape)}")
+    else:
+        raise TypeError(f"shard_placement_fn must return a Shard or None, got {placement!r} for {fqn!r}")
+    layout = ParamLayout(tuple(param.shape), dim, mesh_info.shard_size)
+    if dim != 0 and not layout.is_even:
+        raise ValueError(
+            f"sharding {fqn!r} on dim {dim} needs its size {layout.dim_size} to be divisible by the "
+            f"shard world size {mesh_info.shard_size}; shard it on dim 0 (padding is supported there)"
+        )
+    return layout
+
+
+class FSDPModule:
+    """Mixin added to every module passed to :func:`fully_shard`."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # Containers build `type(self)(...)` when sliced; build the original class instead.
+        orig_cls = cls.__mro__[2]
+        obj = orig_cls.__new__(orig_cls)
+        obj.__init__(*args, **kwargs)
+        return obj
+
+    def _get_shard_state(self) -> ShardState:
+        state = state_of(self)  # type: ignore[arg-type]
+        if state is None:
+            raise AssertionError(f"no fullshard state on {type(self).__name__}")
+        return state
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this module's group. With ``async_op=True`` return a handle to wait on."""
+        state = self._get_shard_state()
+        if state.ctx is None:
+            state.lazy_init()
+        if state.group is not None:
+            state.group.unshard(async_op=True)
+        handle = UnshardHandle(state)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters and register the sharded ones."""
+        state = self._get_shard_state()
+        if state.group is not None:
+            state.group.reshard()
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Whether to free the unsharded parameters after forward (for this module and, with ``recurse``, below)."""
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(f"reshard_after_forward should be a bool, got {type(reshard_after_forward).__name__}")
+        modules = self.modules() if recurse else [self]  # type: ignore[attr-defined]
+        for mod in modules:
+            state = state_of(mod)
+            if state is not None:
+                state.reshard_after_forward = reshard_after_forward
+                state.reshard_after_forward_arg = reshard_after_forward
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """All-gather these modules' groups when this module's forward starts (replaces the implicit next one)."""
+        self._get_shard_state().forward_prefetch = _states_of(modules)
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """All-gather these modules' groups when this module's backward starts (replaces the implicit previous one)."""
+        self._get_shard_state().backward_prefetch = _states_of(modules)
+
+    def reset_iter_state(self) -> None:
+        """Recover from a forward or backward that raised; the root does this by itself at its next forward."""
+        state = self._get_shard_state()
+        if state.ctx is not None:
+            state.ctx.recover()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> NoReturn:
+        raise AssertionError("fullshard modules do not support deepcopy; save and load a state dict instead")
+
+
+class UnshardHandle:
+    """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` completes the all-gather."""
+
+    def __init__(self, state: ShardState) -> None:
+        self._state = state
+
+    def wait(self) -> None:
+        group = self._state.group
+        if group is not None:
+            group.wait_for_unshard()
+
+
+def _states_of(modules: list[FSDPModule]) -> list[ShardState]:
+    states = []
+    for mod in modules:
+        state = state_of(mod) if isinstance(mod, nn.Module) else None
+        if state is None:
+            raise ValueError(f"expected modules passed to fully_shard, got {type(mod).__name__}")
+        states.append(state)
+    return states
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>()`` unshard and reshard like ``forward`` does (e.g. ``generate``)."""
+    if not isinstance(module, FSDPModule):
+        return
+    if not hasattr(module, method_name):
+        raise ValueError(f"{type(module)} does not have a method {method_name}")
+    state = state_of(module)
+    assert state is not None
+    method = getattr(type(module), method_name)
+
+    @functools.wraps(method)
+    def wrapped(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = state._pre_forward_hook(self, args, kwargs)
+        out = method(self, *args, **kwargs)
+        return state._post_forward_hook(self, args, out)
+
+    module.__dict__[method_name] = wrapped.__get__(module)
+
+
+_fsdp_classes: dict[type, type] = {}
+
+
+def _become_fsdp_module(module: nn.Module) -> None:
+    cls = type(module)
+    if cls not in _fsdp_classes:
+        _fsdp_classes[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    module.__class__ = _fsdp_classes[cls]

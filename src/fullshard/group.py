@@ -1,0 +1,243 @@
+"""A parameter group: the unit of communication, with its flat buffers and state machine."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from enum import Enum, auto
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from fullshard.collectives import CommStreams, PendingCollective, all_gather, reduce_scatter, supports_avg
+from fullshard.layout import GroupLayout
+from fullshard.mesh import MeshInfo
+from fullshard.param import ShardedParam
+
+log = logging.getLogger("fullshard")
+
+
+class ShardedState(Enum):
+    """Which parameters are registered on the modules and what holds memory."""
+
+    # Sharded parameters registered; only the flat shard buffer holds memory.
+    SHARDED = auto()
+    # All-gather in flight: sharded parameters still registered; the
+    # all-gather output is allocated but may not be read yet.
+    UNSHARDING = auto()
+    # Unsharded parameters registered; the unsharded buffer is allocated and
+    # filled. The flat shard buffer stays allocated (it is the source of truth).
+    UNSHARDED = auto()
+
+
+@dataclass
+class PendingReduce:
+    """A gradient reduce-scatter in flight and what to do with its output."""
+
+    group: ParamGroup
+    params: list[ShardedParam]
+    layout: GroupLayout
+    collective: PendingCollective
+
+
+class ParamGroup:
+    """The parameters of one ``fully_shard`` call.
+
+    Owns the flat shard buffer (persistent), the unsharded buffer (allocated
+    only between unshard and reshard) and moves between the states of
+    :class:`ShardedState` through ``unshard`` / ``wait_for_unshard`` /
+    ``reshard``. Gradients leave through ``reduce_grads`` / ``finish_reduce``.
+    """
+
+    def __init__(
+        self,
+        params: list[ShardedParam],
+        originals: list[nn.Parameter],
+        mesh_info: MeshInfo,
+        device: torch.device,
+        compute_dtype: torch.dtype | None,
+        reduce_dtype: torch.dtype | None,
+        streams: CommStreams,
+    ) -> None:
+        self.params = params
+        self.mesh_info = mesh_info
+        self.device = device
+        self.streams = streams
+        self.label = ""  # qualified module name, filled in at lazy init
+        self.layout = GroupLayout(tuple(p.layout for p in params))
+        orig_dtype = params[0].orig_dtype
+        self.compute_dtype = compute_dtype or orig_dtype
+        self.reduce_dtype = reduce_dtype or self.compute_dtype
+        self._grad_layouts: dict[tuple[bool, ...], GroupLayout] = {}
+        self._pending_all_gather: PendingCollective | None = None
+
+        with torch.no_grad():
+            self.flat_shard = torch.empty(self.layout.shard_numel, dtype=orig_dtype, device=device)
+            for p, original, chunk in zip(params, originals, self._split(self.flat_shard, self.layout)):
+                p.fill_shard(original.detach(), chunk)
+                p.bind_shard(chunk, requires_grad=original.requires_grad)
+            self.unsharded_buffer = torch.empty(self.layout.unsharded_numel, dtype=self.compute_dtype, device=device)
+            # The unsharded parameters view a `.data` alias: it shares the storage but
+            # not the version counter, so refilling the buffer in backward does not
+            # look like an in-place change of tensors autograd saved in forward.
+            alias = self.unsharded_buffer.data
+            for p, region in zip(params, self._split(alias, self.layout, unsharded=True)):
+                p.bind_unsharded(region)
+            self._free_unsharded()
+        self.state = ShardedState.SHARDED
+        for p in params:
+            p.register(p.sharded)
+
+    @staticmethod
+    def _split(flat: torch.Tensor, layout: GroupLayout, unsharded: bool = False) -> list[torch.Tensor]:
+        scale = layout.world_size if unsharded else 1
+        return [flat.narrow(0, off * scale, n * scale) for off, n in zip(layout.shard_offsets, layout.shard_numels)]
+
+    # ---- state transitions -------------------------------------------------
+
+    def unshard(self, async_op: bool = False) -> None:
+        """Issue the all-gather (SHARDED -> UNSHARDING); with ``async_op=False`` also wait."""
+        if self.state is ShardedState.SHARDED:
+            self._pending_all_gather = all_gather(
+                self.flat_shard, self.compute_dtype, self.mesh_info.shard_group, self.streams, self.label
+            )
+            self.state = ShardedState.UNSHARDING
+        if not async_op:
+            self.wait_for_unshard()
+
+    def wait_for_unshard(self) -> None:
+        """UNSHARDING -> UNSHARDED: wait, reorder rank-major into the unsharded buffer."""
+        if self.state is ShardedState.UNSHARDED:
+            return
+        if self.state is not ShardedState.UNSHARDING or self._pending_all_gather is None:
+            raise AssertionError(f"group {self.label!r}: wait_for_unshard in state {self.state.name}")
+        output = self._pending_all_gather.wait()
+        self._pending_all_gather = None
+        self._alloc_unsharded()
+        self._copy_out(output)
+        for p in self.params:
+            p.register_unsharded()
+        self.state = ShardedState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Back to SHARDED: register the sharded parameters and free the unsharded buffer."""
+        if self.state is ShardedState.SHARDED:
+            return
+        if self.state is ShardedState.UNSHARDING:
+            self.wait_for_unshard()  # a collective in flight cannot be abandoned
+        for p in self.params:
+            p.register(p.sharded)
+        self._free_unsharded()
+        self.state = ShardedState.SHARDED
+
+    def _alloc_unsharded(self) -> None:
+        storage = self.unsharded_buffer.untyped_storage()
+        nbytes = self.unsharded_buffer.numel() * self.unsharded_buffer.element_size()
+        if storage.size() != nbytes:
+            storage.resize_(nbytes)
+
+    def _free_unsharded(self) -> None:
+        # Resizing the storage (not dropping the tensor) keeps every view, and
+        # every reference autograd saved, valid for the next unshard.
+        self.unsharded_buffer.untyped_storage().resize_(0)
+
+    @torch.no_grad()
+    def _copy_out(self, output: torch.Tensor) -> None:
+        """Reorder the rank-major all-gather output into the parameter-major unsharded buffer."""
+        world_size = self.layout.world_size
+        regions = self._split(self.unsharded_buffer, self.layout, unsharded=True)
+        rank_major = output.view(world_size, -1)
+        if all(p.layout.shard_dim == 0 for p in self.params):
+            # Row r of a dim-0 parameter's padded full tensor is rank r's chunk.
+            torch.split_with_sizes_copy(
+                rank_major, list(self.layout.shard_numels), dim=1, out=[r.view(world_size, -1) for r in regions]
+            )
+            return
+        for p, region, off in zip(self.params, regions, self.layout.shard_offsets):
+            lay = p.layout
+            chunks = rank_major[:, off : off + lay.shard_numel].view(world_size, *lay.chunk_shape)
+            _rank_axis_view(region, lay.padded_shape, lay.shard_dim, world_size).copy_(chunks)
+
+    # ---- gradients -----------------------------------------------------------
+
+    def reduce_grads(self) -> PendingReduce | None:
+        """Issue one reduce-scatter of every unsharded gradient present; clear them."""
+        with_grad = tuple(p.requires_grad and p.unsharded.grad is not None for p in self.params)
+        if not any(with_grad):
+            return None
+        layout = self._grad_layouts.get(with_grad)
+        if layout is None:
+            layout = self._grad_layouts[with_grad] = self.layout.subset(with_grad)
+        params = [p for p, keep in zip(self.params, with_grad) if keep]
+        grads: list[torch.Tensor] = []
+        for p in params:
+            assert p.unsharded.grad is not None
+            grads.append(p.unsharded.grad)
+            p.unsharded.grad = None
+        collective = reduce_scatter(
+            grads, _pack_rank_major(layout), layout.shard_numel, self.reduce_dtype, self.device,
+            self.mesh_info.shard_group, self.streams, self.label,
+        )
+        return PendingReduce(self, params, layout, collective)
+
+    @torch.no_grad()
+    def finish_reduce(self, pending: PendingReduce) -> None:
+        """Wait for a reduce-scatter and add its output to the sharded gradients."""
+        reduced = pending.collective.wait()
+        if not supports_avg(self.mesh_info.shard_group):
+            reduced.div_(self.layout.world_size)
+        orig_dtype = self.flat_shard.dtype
+        flat_grad = reduced if reduced.dtype == orig_dtype else reduced.to(orig_dtype)
+        chunks = self._split(flat_grad, pending.layout)
+        if all(p.sharded.grad is None for p in pending.params):
+            # The common case: the reduce-scatter output becomes the flat gradient buffer.
+            for p, chunk in zip(pending.params, chunks):
+                p.sharded.grad = p.as_dtensor(chunk)
+            return
+        for p, chunk in zip(pending.params, chunks):
+            grad = p.sharded.grad
+            if grad is None:
+                p.sharded.grad = p.as_dtensor(chunk)
+            else:
+                local = grad.to_local() if isinstance(grad, DTensor) else grad
+                local.add_(p.local_rows(chunk))
+
+    def discard_pending(self) -> None:
+        """Drop an in-flight all-gather after a failed iteration (the collective is still completed)."""
+        if self._pending_all_gather is not None:
+            self._pending_all_gather.wait()
+            self._pending_all_gather = None
+        if self.state is ShardedState.UNSHARDING:
+            self.state = ShardedState.SHARDED
+        for p in self.params:
+            p.unsharded.grad = None
+        self.reshard()
+
+
+def _rank_axis_view(padded_full: torch.Tensor, padded_shape: tuple[int, ...], shard_dim: int, world_size: int) -> torch.Tensor:
+    """View a padded full tensor as ``(world_size, *chunk_shape)``: index r is rank r's chunk."""
+    pre = padded_shape[:shard_dim]
+    post = padded_shape[shard_dim + 1 :]
+    chunk = padded_shape[shard_dim] // world_size
+    return padded_full.view(*pre, world_size, chunk, *post).movedim(shard_dim, 0)
+
+
+def _pack_rank_major(layout: GroupLayout):  # type: ignore[no-untyped-def]
+    """Fill function for the reduce-scatter input: each gradient chunked over the ranks."""
+    world_size = layout.world_size
+    all_dim0 = all(p.shard_dim == 0 for p in layout.params)
+
+    def fill(grads: list[torch.Tensor], out: torch.Tensor) -> None:
+        if all_dim0 and all(g.dtype == out.dtype for g in grads):
+            torch._chunk_cat(grads, dim=0, num_chunks=world_size, out=out)
+            return
+        for grad, lay, off in zip(grads, layout.params, layout.shard_offsets):
+            padded = grad
+            if not lay.is_even:
+                padded = grad.new_zeros(lay.padded_shape)
+                padded.narrow(lay.shard_dim, 0, lay.dim_size).copy_(grad)
+            dst = out[:, off : off + lay.shard_numel].view(world_size, *lay.chunk_shape)
+            dst.copy_(_rank_axis_view(padded.contiguous().view(-1), lay.padded_shape, lay.shard_dim, world_size))
+
+    return fill

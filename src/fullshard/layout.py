@@ -1,0 +1,163 @@
+"""Sharding arithmetic: which rows of which parameter each rank owns, and where.
+
+Pure value objects, no process group and no tensors, so every offset can be
+unit-tested in one process.
+
+[Note: Vocabulary]
+The same words are used in identifiers throughout the package:
+
+- *original parameter*: the ``nn.Parameter`` the user created.
+- *sharded parameter*: the ``DTensor`` parameter registered on the module while
+  its group is sharded. Its local tensor is a view into the flat shard buffer.
+- *flat shard buffer*: one contiguous 1-D tensor per group and rank holding this
+  rank's padded shard of every parameter of the group, in parameter order.
+- *all-gather input*: what a rank contributes to the all-gather, the flat shard
+  buffer itself (or its cast to the compute dtype).
+- *all-gather output*: ``world_size`` flat shard buffers back to back,
+  rank-major.
+- *unsharded buffer*: every parameter's padded full tensor back to back,
+  parameter-major. It is the all-gather output reordered by one copy.
+- *unsharded parameter*: the plain ``nn.Parameter`` registered while the group
+  is unsharded, a view into the unsharded buffer.
+- *flat gradient buffer*: like the flat shard buffer, but over the parameters
+  that received a gradient in this backward; the sharded gradients are views
+  into it.
+
+[Note: Padding]
+A parameter with ``n`` rows along its shard dim is cut into ``world_size``
+chunks of ``ceil(n / world_size)`` rows, the rule ``torch.chunk`` and
+``DTensor``'s ``Shard`` use. The last ranks may own fewer rows, or none. Every
+rank reserves a full chunk in its flat shard buffer regardless, so that all
+ranks contribute equal-size all-gather inputs. Two ranks, parameters ``a`` with
+5 rows and ``b`` with 2 rows (one element per row)::
+
+    rank 0 flat shard buffer:  a0 a1 a2 | b0
+    rank 1 flat shard buffer:  a3 a4 __ | b1        (__ = padding)
+    all-gather output:         a0 a1 a2 b0 a3 a4 __ b1       (rank-major)
+    unsharded buffer:          a0 a1 a2 a3 a4 __ | b0 b1     (parameter-major)
+
+``a`` is the first 5 rows of the unsharded buffer's first 6 rows; ``b`` the
+next 2.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """One parameter cut along ``shard_dim`` into ``world_size`` padded chunks."""
+
+    shape: tuple[int, ...]
+    shard_dim: int
+    world_size: int
+
+    def __post_init__(self) -> None:
+        if not self.shape:
+            raise ValueError("a 0-dim parameter has no dimension to shard; reshape it to (1,)")
+        if not 0 <= self.shard_dim < len(self.shape):
+            raise ValueError(f"shard dim {self.shard_dim} is out of range for shape {self.shape}")
+        if self.world_size < 1:
+            raise ValueError(f"world size must be positive, got {self.world_size}")
+
+    @property
+    def dim_size(self) -> int:
+        return self.shape[self.shard_dim]
+
+    @property
+    def chunk_rows(self) -> int:
+        """Rows of the shard dim each rank reserves (the padded chunk)."""
+        return math.ceil(self.dim_size / self.world_size)
+
+    @property
+    def row_numel(self) -> int:
+        """Elements in one row, i.e. one index along the shard dim."""
+        return math.prod(self.shape) // self.dim_size if self.dim_size else 0
+
+    @property
+    def chunk_shape(self) -> tuple[int, ...]:
+        return self._with_shard_dim(self.chunk_rows)
+
+    @property
+    def shard_numel(self) -> int:
+        """Elements one rank reserves in its flat shard buffer, padding included."""
+        return self.chunk_rows * self.row_numel
+
+    @property
+    def padded_shape(self) -> tuple[int, ...]:
+        return self._with_shard_dim(self.chunk_rows * self.world_size)
+
+    @property
+    def unsharded_numel(self) -> int:
+        """Elements in the unsharded buffer, padding included."""
+        return self.shard_numel * self.world_size
+
+    @property
+    def is_even(self) -> bool:
+        return self.dim_size % self.world_size == 0
+
+    def rows_on(self, rank: int) -> int:
+        """Real (unpadded) rows that ``rank`` owns: a full chunk, a partial one, or 0."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside world size {self.world_size}")
+        return max(0, min(self.chunk_rows, self.dim_size - rank * self.chunk_rows))
+
+    def local_shape(self, rank: int) -> tuple[int, ...]:
+        return self._with_shard_dim(self.rows_on(rank))
+
+    def _with_shard_dim(self, rows: int) -> tuple[int, ...]:
+        shape = list(self.shape)
+        shape[self.shard_dim] = rows
+        return tuple(shape)
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """Parameters of one group, packed back to back in the flat buffers."""
+
+    params: tuple[ParamLayout, ...]
+
+    def __post_init__(self) -> None:
+        sizes = {p.world_size for p in self.params}
+        if len(sizes) > 1:
+            raise ValueError(f"parameters of one group disagree on the world size: {sorted(sizes)}")
+
+    @property
+    def world_size(self) -> int:
+        return self.params[0].world_size if self.params else 1
+
+    @cached_property
+    def shard_offsets(self) -> tuple[int, ...]:
+        """Start of each parameter's chunk in the flat shard buffer."""
+        offsets, total = [], 0
+        for p in self.params:
+            offsets.append(total)
+            total += p.shard_numel
+        return tuple(offsets)
+
+    @cached_property
+    def shard_numel(self) -> int:
+        """Length of the flat shard buffer (every rank's is the same)."""
+        return sum(p.shard_numel for p in self.params)
+
+    @property
+    def shard_numels(self) -> tuple[int, ...]:
+        return tuple(p.shard_numel for p in self.params)
+
+    @property
+    def unsharded_offsets(self) -> tuple[int, ...]:
+        """Start of each padded parameter in the unsharded buffer."""
+        return tuple(off * self.world_size for off in self.shard_offsets)
+
+    @property
+    def unsharded_numel(self) -> int:
+        return self.shard_numel * self.world_size
+
+    def subset(self, keep: tuple[bool, ...]) -> GroupLayout:
+        """The layout of the parameters flagged in ``keep``, packed anew (gradients)."""
+        if len(keep) != len(self.params):
+            raise ValueError(f"mask of length {len(keep)} for {len(self.params)} parameters")
+        return GroupLayout(tuple(p for p, k in zip(self.params, keep) if k))

@@ -1,0 +1,63 @@
+"""Policies are data: small frozen dataclasses checked when ``fully_shard`` is called."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """Dtypes for compute, gradient reduction and forward outputs.
+
+    - ``param_dtype``: dtype of the unsharded parameters (all-gather and compute);
+      ``None`` keeps the original dtype.
+    - ``reduce_dtype``: dtype of the gradient reduction; ``None`` uses
+      ``param_dtype`` (or the original dtype when that is ``None``).
+    - ``output_dtype``: floating-point forward outputs are cast to it; ``None``
+      leaves them alone.
+    - ``cast_forward_inputs``: cast floating-point forward inputs to
+      ``param_dtype``.
+
+    Sharded parameters, gradients and optimizer state always stay in the
+    original dtype.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """No offloading: sharded parameters, gradients and optimizer state stay on the device."""
+
+
+@dataclass(frozen=True)
+class CPUOffloadPolicy(OffloadPolicy):
+    """Keep sharded parameters and gradients on CPU; the optimizer step runs there.
+
+    ``pin_memory`` pins the CPU shards so host/device copies can be asynchronous.
+    """
+
+    pin_memory: bool = True
+
+
+def validate_mp_policy(policy: object) -> MixedPrecisionPolicy:
+    if not isinstance(policy, MixedPrecisionPolicy):
+        raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(policy).__name__}")
+    for field in ("param_dtype", "reduce_dtype", "output_dtype"):
+        dtype = getattr(policy, field)
+        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+            raise ValueError(f"MixedPrecisionPolicy.{field} must be a floating-point torch.dtype or None, got {dtype!r}")
+    return policy
+
+
+def validate_offload_policy(policy: object) -> OffloadPolicy:
+    if not isinstance(policy, OffloadPolicy):
+        raise TypeError(f"offload_policy must be an OffloadPolicy, got {type(policy).__name__}")
+    if isinstance(policy, CPUOffloadPolicy):
+        raise NotImplementedError("CPUOffloadPolicy is not supported yet; pass OffloadPolicy() to keep shards on the device")
+    return policy

@@ -1,0 +1,323 @@
+"""Hooks that drive the groups: forward, backward, prefetch, end of backward.
+
+[Note: Hook placement]
+- forward pre-hook: unshard this group (waiting for a prefetch if one was
+  issued), issue the next group's all-gather, and wrap the inputs that need a
+  gradient in ``_PostBackward`` so that its backward runs once every gradient
+  of this call has been computed.
+- forward hook: reshard (when ``reshard_after_forward``) and register a
+  multi-grad hook on the outputs: the first output gradient to arrive in
+  backward unshards the group again (pre-backward).
+- ``_PostBackward.backward``: reshard and reduce-scatter the gradients.
+- The first backward hook to run queues one end-of-backward callback on the
+  autograd engine. It reduces what no post-backward handled (modules whose
+  inputs need no gradient, e.g. the first layer), reshards everything, waits
+  for every reduction and returns all states to IDLE.
+A module may run several times per forward: each call gets its own hooks and
+reduces its own gradients, which accumulate in the sharded gradients.
+
+[Note: Recovery]
+If a forward or backward raises, some groups may be left unsharded with
+collectives in flight. The root's next forward notices (a state not IDLE, or an
+end-of-backward callback that never ran), completes the in-flight collectives,
+drops unreduced gradients and reshards everything, so training can continue.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+from enum import Enum, auto
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.autograd.profiler import record_function
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
+
+from fullshard.collectives import CommStreams
+from fullshard.group import ParamGroup, PendingReduce, ShardedState
+from fullshard.policy import MixedPrecisionPolicy
+
+log = logging.getLogger("fullshard")
+
+STATE_KEY = "_fullshard_state"
+
+
+class TrainingState(Enum):
+    """What a state's hooks are in the middle of."""
+
+    IDLE = auto()
+    FORWARD = auto()  # between pre-forward and post-forward
+    PRE_BACKWARD = auto()  # unsharded for backward, gradients not yet reduced
+    POST_BACKWARD = auto()  # resharding and reducing
+
+
+def state_of(module: nn.Module) -> ShardState | None:
+    state = module.__dict__.get(STATE_KEY)
+    return state if isinstance(state, ShardState) else None
+
+
+def in_backward() -> bool:
+    """True while the autograd engine runs a backward (e.g. checkpoint recomputation)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class IterationContext:
+    """What every state under one root shares: order, in-flight reductions, backward flags."""
+
+    def __init__(self, states: list[ShardState], streams: CommStreams) -> None:
+        self.states = states
+        self.streams = streams
+        self.forward_order: list[ShardState] = []
+        self.order_frozen = False
+        self.pending_reduces: deque[PendingReduce] = deque()
+        self.end_of_backward_queued = False
+        self.max_reduces_in_flight = 1
+
+    def record_forward(self, state: ShardState) -> None:
+        if not self.order_frozen and state not in self.forward_order:
+            self.forward_order.append(state)
+
+    def neighbour(self, state: ShardState, step: int) -> ShardState | None:
+        if state not in self.forward_order:
+            return None
+        index = self.forward_order.index(state) + step
+        return self.forward_order[index] if 0 <= index < len(self.forward_order) else None
+
+    def queue_end_of_backward(self) -> None:
+        if not self.end_of_backward_queued:
+            self.end_of_backward_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.end_of_backward)
+
+    def add_reduce(self, pending: PendingReduce) -> None:
+        self.pending_reduces.append(pending)
+        # Bound the gradient memory in flight: finish the oldest reductions first.
+        while len(self.pending_reduces) > self.max_reduces_in_flight:
+            done = self.pending_reduces.popleft()
+            done.group.finish_reduce(done)
+
+    def end_of_backward(self) -> None:
+        with record_function("fullshard::end_of_backward"):
+            for state in self.states:
+                if state.group is None:
+                    state.training_state = TrainingState.IDLE
+                    continue
+                if state.training_state is TrainingState.PRE_BACKWARD or state.group.state is not ShardedState.SHARDED:
+                    state.post_backward()
+                state.training_state = TrainingState.IDLE
+            while self.pending_reduces:
+                done = self.pending_reduces.popleft()
+                done.group.finish_reduce(done)
+            self.end_of_backward_queued = False
+
+    def needs_recovery(self) -> bool:
+        return self.end_of_backward_queued or any(s.training_state is not TrainingState.IDLE for s in self.states)
+
+    def recover(self) -> None:
+        log.warning("fullshard: the previous forward or backward did not finish; resharding and dropping its gradients")
+        for pending in self.pending_reduces:
+            pending.collective.wait()
+        self.pending_reduces.clear()
+        for state in self.states:
+            if state.group is not None:
+                state.group.discard_pending()
+            state.training_state = TrainingState.IDLE
+        self.end_of_backward_queued = False
+
+    def reshard_all(self) -> None:
+        for state in self.states:
+            if state.group is not None:
+                state.group.reshard()
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a module call's inputs; its backward marks that call's backward as done."""
+
+    @staticmethod
+    def forward(ctx: Any, state: ShardState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        ctx.state = state
+        return tuple(x.view_as(x) for x in inputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        ctx.state.post_backward()
+        return (None, *grads)
+
+
+class ShardState:
+    """Hook state of one ``fully_shard`` call (one group, one or more modules)."""
+
+    def __init__(
+        self,
+        modules: tuple[nn.Module, ...],
+        group: ParamGroup | None,
+        device: torch.device,
+        reshard_after_forward: bool | None,
+        mp_policy: MixedPrecisionPolicy,
+        streams: CommStreams,
+    ) -> None:
+        self.modules = modules
+        self.group = group
+        self.device = device
+        self.mp_policy = mp_policy
+        self.streams = streams
+        self.reshard_after_forward_arg = reshard_after_forward
+        self.reshard_after_forward = bool(reshard_after_forward) if reshard_after_forward is not None else True
+        self.training_state = TrainingState.IDLE
+        self.ctx: IterationContext | None = None
+        self.is_root = False
+        self.forward_prefetch: list[ShardState] | None = None
+        self.backward_prefetch: list[ShardState] | None = None
+        for module in modules:
+            module.__dict__[STATE_KEY] = self
+            module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
+            module.register_forward_hook(self._post_forward_hook, prepend=False)
+
+    @property
+    def label(self) -> str:
+        return self.group.label if self.group is not None else type(self.modules[0]).__name__
+
+    # ---- lazy init -----------------------------------------------------------
+
+    def lazy_init(self) -> IterationContext:
+        """Make this state the root of every state in its module tree.
+
+        Runs at the first forward (or explicit unshard) of a state that has no
+        root yet. A state that was a root earlier, because its module ran on its
+        own first, becomes a non-root of the enclosing root.
+        """
+        root_module = self.modules[0]
+        states: list[ShardState] = []
+        for name, module in root_module.named_modules(remove_duplicate=False):
+            state = state_of(module)
+            if state is None or state in states:
+                continue
+            states.append(state)
+            if state.group is not None:
+                state.group.label = name
+                for p in state.group.params:
+                    p.fqn = f"{name}.{p.sites[0].name}" if name else p.sites[0].name
+        ctx = IterationContext(states, self.streams)
+        for state in states:
+            state.ctx = ctx
+            state.is_root = state is self
+            if state.reshard_after_forward_arg is None:
+                # Like FSDP2: the root's parameters are needed first in backward, keep them.
+                state.reshard_after_forward = not state.is_root
+        return ctx
+
+    # ---- forward -------------------------------------------------------------
+
+    def _pre_forward_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if in_backward():
+            # Activation-checkpoint recomputation: the group is already unsharded for backward.
+            if self.group is not None:
+                self.group.unshard()
+            return args, kwargs
+        if self.ctx is None:
+            self.lazy_init()
+        assert self.ctx is not None
+        if self.is_root:
+            if self.ctx.needs_recovery():
+                self.ctx.recover()
+            if self.device.type != "cpu":
+                args, kwargs = tree_map_only(torch.Tensor, lambda t: t.to(self.device, non_blocking=True), (args, kwargs))
+        self.training_state = TrainingState.FORWARD
+        self.ctx.record_forward(self)
+        if self.group is not None:
+            with record_function(f"fullshard::pre_forward {self.label}"):
+                self.group.unshard(async_op=True)
+                targets = self.forward_prefetch
+                if targets is None and self.ctx.order_frozen:
+                    nxt = self.ctx.neighbour(self, +1)
+                    targets = [nxt] if nxt is not None else []
+                self._prefetch(targets or [])
+                self.group.wait_for_unshard()
+        if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
+            args, kwargs = _cast_floats((args, kwargs), self.mp_policy.param_dtype)
+        if torch.is_grad_enabled():
+            args, kwargs = self._wrap_inputs_for_post_backward(args, kwargs)
+        return args, kwargs
+
+    def _post_forward_hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        if in_backward():
+            return output
+        assert self.ctx is not None
+        if self.group is not None and self.reshard_after_forward:
+            self.group.reshard()
+        if self.mp_policy.output_dtype is not None:
+            output = _cast_floats(output, self.mp_policy.output_dtype)
+        needs_backward = self._register_pre_backward(output)
+        self.training_state = TrainingState.IDLE
+        if self.is_root:
+            self.ctx.order_frozen = True
+            if not needs_backward:
+                # No backward will follow (no_grad / inference): leave every group sharded.
+                self.ctx.reshard_all()
+        return output
+
+    def _prefetch(self, targets: list[ShardState]) -> None:
+        for target in targets:
+            if target.group is not None and target.group.state is ShardedState.SHARDED:
+                with record_function(f"fullshard::prefetch {target.label}"):
+                    target.group.unshard(async_op=True)
+
+    def _wrap_inputs_for_post_backward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        flat, spec = tree_flatten((args, kwargs))
+        positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
+        if not positions:
+            return args, kwargs
+        wrapped = _PostBackward.apply(self, *(flat[i] for i in positions))
+        for i, tensor in zip(positions, wrapped):
+            flat[i] = tensor
+        new_args, new_kwargs = tree_unflatten(flat, spec)
+        return new_args, new_kwargs
+
+    def _register_pre_backward(self, output: Any) -> bool:
+        if not torch.is_grad_enabled():
+            return False
+        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not tensors:
+            return False
+        register_multi_grad_hook(tensors, self._pre_backward_hook, mode="any")
+        return True
+
+    # ---- backward ------------------------------------------------------------
+
+    def _pre_backward_hook(self, grad: torch.Tensor) -> None:
+        assert self.ctx is not None
+        self.ctx.queue_end_of_backward()
+        self.training_state = TrainingState.PRE_BACKWARD
+        if self.group is None:
+            return
+        with record_function(f"fullshard::pre_backward {self.label}"):
+            self.group.unshard(async_op=True)
+            targets = self.backward_prefetch
+            if targets is None:
+                prev = self.ctx.neighbour(self, -1)
+                targets = [prev] if prev is not None else []
+            self._prefetch(targets)
+            self.group.wait_for_unshard()
+
+    def post_backward(self) -> None:
+        """Reshard and issue the reduce-scatter of this group's gradients."""
+        assert self.ctx is not None
+        self.ctx.queue_end_of_backward()
+        if self.group is None:
+            self.training_state = TrainingState.IDLE
+            return
+        self.training_state = TrainingState.POST_BACKWARD
+        with record_function(f"fullshard::post_backward {self.label}"):
+            self.group.reshard()
+            pending = self.group.reduce_grads()
+            if pending is not None:
+                self.ctx.add_reduce(pending)
+        self.training_state = TrainingState.IDLE
+
+
+def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
+    cast: Callable[[torch.Tensor], torch.Tensor] = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
+    return tree_map_only(torch.Tensor, cast, tree)
