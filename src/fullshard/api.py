@@ -132,7 +132,7 @@ def _validate_modules(module: nn.Module | list[nn.Module]) -> list[nn.Module]:
             )
         if state_of(mod) is not None:
             raise AlreadyShardedError(
-                f"fully_shard has already been applied to this {type(mod).__name__}; "
+                f"fully_shard has already been applied to this {type(mod).__mro__[2].__name__}; "
                 "each module can be sharded once (shard children first, then the root)"
             )
     return modules
@@ -164,6 +164,9 @@ def _params_of_descendant_groups(modules: list[nn.Module]) -> dict[nn.Parameter,
             if state is not None and state.group is not None:
                 for p in state.group.params:
                     owned[p.sharded] = name
+                    original = p.original_ref()
+                    if original is not None:
+                        owned[original] = name
     return owned
 
 

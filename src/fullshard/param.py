@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +49,9 @@ class ShardedParam:
         self.layout = layout
         self.mesh_info = mesh_info
         self.orig_dtype = original.dtype
+        # Weak: the original's memory must be freed once the modules drop it, but a
+        # module outside this group that still holds it (a broken tie) must be detected.
+        self.original_ref = weakref.ref(original)
         self.sharded: nn.Parameter = original  # replaced by bind_shard
         self.unsharded: nn.Parameter = original  # replaced by bind_unsharded
 

@@ -254,8 +254,9 @@ class ShardState:
         self.training_state = TrainingState.IDLE
         if self.is_root:
             self.ctx.order_frozen = True
-            if not needs_backward:
-                # No backward will follow (no_grad / inference): leave every group sharded.
+            if not needs_backward or not module.training:
+                # Inference (no_grad, or eval mode): leave every group sharded. An eval-mode
+                # forward that is back-propagated anyway all-gathers again in backward.
                 self.ctx.reshard_all()
         return output
 

@@ -1,0 +1,140 @@
+"""Misuse fails at the call with a message naming the module or parameter; failures leave the model usable."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard
+
+from fullshard import AlreadyShardedError, MixedPrecisionPolicy, fully_shard
+from fullshard.api import check_param_device
+from tests.harness import run_ranks
+from tests.models import MLP, Transformer, mse_loss
+from tests.parity import assert_parity, random_batches, regression_batch, train
+
+
+def _twice(rank: int, world_size: int) -> None:
+    model = MLP()
+    fully_shard(model.layers[0])
+    with pytest.raises(AlreadyShardedError, match="already been applied to this Linear"):
+        fully_shard(model.layers[0])
+    # torch's fully_shard raises AssertionError for the same mistake; so do we.
+    with pytest.raises(AssertionError):
+        fully_shard(model.layers[0])
+
+
+def _shared_across_groups(rank: int, world_size: int) -> None:
+    model = Transformer()
+    fully_shard(model.tok)
+    with pytest.raises(ValueError, match=r"'head.weight' is already sharded by fully_shard on 'tok'"):
+        fully_shard(model)
+
+
+def _bad_arguments(rank: int, world_size: int) -> None:
+    with pytest.raises(ValueError, match="reshard_after_forward should be a bool"):
+        fully_shard(nn.Linear(3, 3), reshard_after_forward="yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="mesh must be a torch.distributed.device_mesh.DeviceMesh"):
+        fully_shard(nn.Linear(3, 3), mesh="cpu")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="mp_policy must be a MixedPrecisionPolicy"):
+        fully_shard(nn.Linear(3, 3), mp_policy={"param_dtype": torch.bfloat16})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="MixedPrecisionPolicy.param_dtype must be a floating-point"):
+        fully_shard(nn.Linear(3, 3), mp_policy=MixedPrecisionPolicy(param_dtype=torch.int8))
+    with pytest.raises(ValueError, match="does not support containers that do not implement forward: ModuleList"):
+        fully_shard(nn.ModuleList([nn.Linear(3, 3)]))
+    scalar = nn.Module()
+    scalar.w = nn.Parameter(torch.tensor(1.0))
+    with pytest.raises(ValueError, match="doesn't support scalar parameters. Change w to a 1D tensor"):
+        fully_shard(scalar)
+    with pytest.raises(ValueError, match=r"sharding 'weight' on dim 1 needs its size 3 to be divisible"):
+        fully_shard(nn.Linear(3, 4), shard_placement_fn=lambda p: Shard(1))
+    mixed = nn.Linear(3, 4)
+    mixed.bias = nn.Parameter(torch.zeros(4, dtype=torch.float64))
+    with pytest.raises(NotImplementedError, match=r"must share a dtype, got weight: torch.float32, bias: torch.float64"):
+        fully_shard(mixed)
+    with torch.device("meta"):
+        on_meta = nn.Linear(3, 3)
+    with pytest.raises(NotImplementedError, match="'weight' is on the meta device"):
+        fully_shard(on_meta, mesh=init_device_mesh("cpu", (world_size,)))
+
+
+@pytest.mark.parametrize("body", [_twice, _shared_across_groups, _bad_arguments])
+def test_misuse_is_rejected(body) -> None:  # type: ignore[no-untyped-def]
+    run_ranks(2, body)
+
+
+def test_parameter_on_other_device_than_mesh() -> None:
+    check_param_device("w", torch.device("cpu"), torch.device("cuda", 0))  # moved by fully_shard
+    check_param_device("w", torch.device("cuda", 0), torch.device("cuda", 0))
+    with pytest.raises(ValueError, match=r"parameter 'layers.0.weight' is on cuda:1 but the mesh computes on cuda:0"):
+        check_param_device("layers.0.weight", torch.device("cuda", 1), torch.device("cuda", 0))
+    with pytest.raises(ValueError, match=r"is on cuda:0 but the mesh computes on cpu"):
+        check_param_device("w", torch.device("cuda", 0), torch.device("cpu"))
+
+
+def test_no_process_group() -> None:
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match="needs an initialized default process group when mesh=None"):
+        fully_shard(nn.Linear(2, 2))
+
+
+# ---- a failed forward or backward leaves the model usable ------------------------------------------
+
+
+class Tripwire(torch.autograd.Function):
+    """Identity that raises in backward while ``armed``."""
+
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[no-untyped-def, override]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def, override]
+        if Tripwire.armed:
+            raise RuntimeError("tripwire in backward")
+        return grad
+
+
+class TrippedMLP(MLP):
+    fail_forward = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.layers[0](x))
+        x = Tripwire.apply(torch.relu(self.layers[1](x)))
+        if TrippedMLP.fail_forward:
+            raise RuntimeError("tripwire in forward")
+        return self.layers[2](x)
+
+
+def shard_layers(model: nn.Module) -> None:
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+
+
+def _recovers(rank: int, world_size: int, where: str) -> None:
+    torch.manual_seed(0)
+    ref = TrippedMLP()
+    torch.manual_seed(0)
+    model = TrippedMLP()
+    shard_layers(model)
+    batches = random_batches(4, world_size, regression_batch)
+    assert_parity(train(ref, batches[:2], mse_loss, rank=None), train(model, batches[:2], mse_loss, rank=rank), rank)
+    try:
+        Tripwire.armed, TrippedMLP.fail_forward = where == "backward", where == "forward"
+        with pytest.raises(RuntimeError, match=f"tripwire in {where}"):
+            mse_loss(model, batches[2][rank]).backward()
+    finally:
+        Tripwire.armed = TrippedMLP.fail_forward = False
+    for p in model.parameters():
+        p.grad = None
+    assert_parity(train(ref, batches[2:], mse_loss, rank=None), train(model, batches[2:], mse_loss, rank=rank), rank)
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_usable_after_failure(where: str) -> None:
+    run_ranks(2, _recovers, where)

@@ -1,0 +1,262 @@
+"""Parity for the ways real models use their parameters: tied, frozen, buffers, reuse, partial backward,
+inference forwards, activation checkpointing, several forwards per backward, zero_grad modes."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
+
+from fullshard import FSDPModule, fully_shard
+from tests.harness import run_ranks
+from tests.models import MLP, Transformer, lm_loss, mse_loss
+from tests.parity import regression_batch, run_parity, token_batch
+from tests.test_parity import shard_mlp, shard_transformer
+
+
+def assert_all_sharded(model: nn.Module) -> None:
+    for name, p in model.named_parameters():
+        assert isinstance(p, DTensor), f"{name} is registered unsharded ({type(p).__name__}) but should be sharded"
+
+
+# ---- shared (tied) parameters inside one child group -------------------------------------------
+
+
+class TiedPair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(7, 7)
+        self.b = nn.Linear(7, 7)
+        self.b.weight = self.a.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+class TiedModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pair = TiedPair()
+        self.out = nn.Linear(7, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.pair(x))
+
+
+def shard_tied(model: nn.Module) -> None:
+    fully_shard(model.pair)
+    fully_shard(model)
+
+
+def _tied(rank: int, world_size: int) -> None:
+    _, model = run_parity(rank, world_size, TiedModel, shard_tied, regression_batch, mse_loss)
+    assert model.pair.a.weight is model.pair.b.weight
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in TiedModel().named_parameters()]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_tied_parameters(world_size: int) -> None:
+    run_ranks(world_size, _tied)
+
+
+# ---- frozen parameters mixed with trainable ones ------------------------------------------------
+
+
+def frozen_mlp() -> nn.Module:
+    model = MLP()
+    model.layers[0].bias.requires_grad_(False)
+    model.layers[1].weight.requires_grad_(False)
+    return model
+
+
+def _frozen(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    initial = frozen_mlp()
+    trace, model = run_parity(rank, world_size, frozen_mlp, shard_mlp, regression_batch, mse_loss)
+    for grads in trace.grads:
+        assert grads["layers.0.bias"] is None and grads["layers.1.weight"] is None
+    torch.testing.assert_close(trace.params["layers.1.weight"], initial.layers[1].weight.detach(), rtol=0, atol=0)
+    assert not model.layers[1].weight.requires_grad
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_frozen_parameters(world_size: int) -> None:
+    run_ranks(world_size, _frozen)
+
+
+# ---- buffers stay replicated --------------------------------------------------------------------
+
+
+class WithBuffer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(7, 3)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale
+
+
+def shard_buffer_model(model: nn.Module) -> None:
+    fully_shard(model.lin)
+    fully_shard(model)
+
+
+def _buffers(rank: int, world_size: int) -> None:
+    _, model = run_parity(rank, world_size, WithBuffer, shard_buffer_model, regression_batch, mse_loss)
+    assert type(model.scale) is torch.Tensor and model.scale.shape == (3,)
+    torch.testing.assert_close(model.scale, torch.linspace(0.5, 1.5, 3))
+
+
+def test_buffers_stay_replicated() -> None:
+    run_ranks(2, _buffers)
+
+
+# ---- a module called twice in one forward -------------------------------------------------------
+
+
+class Reused(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(7, 5)
+        self.block = nn.Linear(5, 5)
+        self.out = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        h = torch.tanh(self.block(h))
+        h = torch.tanh(self.block(h))
+        return self.out(h)
+
+
+def shard_reused(model: nn.Module) -> None:
+    fully_shard(model.block)
+    fully_shard(model)
+
+
+def _reused(rank: int, world_size: int) -> None:
+    _, model = run_parity(rank, world_size, Reused, shard_reused, regression_batch, mse_loss)
+    assert_all_sharded(model)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_module_called_twice(world_size: int) -> None:
+    run_ranks(world_size, _reused)
+
+
+# ---- a module that does not take part in backward ----------------------------------------------
+
+
+class WithUnusedBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.main = nn.Linear(7, 3)
+        self.aux = nn.Linear(7, 4)
+        self.probe = nn.Linear(7, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.aux(x)  # computed, never used by the loss
+        with torch.no_grad():
+            self.probe(x)
+        return self.main(x)
+
+
+def shard_unused(model: nn.Module) -> None:
+    for child in (model.main, model.aux, model.probe):
+        fully_shard(child, reshard_after_forward=child is not model.aux)
+    fully_shard(model)
+
+
+def _unused(rank: int, world_size: int) -> None:
+    trace, model = run_parity(rank, world_size, WithUnusedBranch, shard_unused, regression_batch, mse_loss)
+    assert trace.grads[-1]["aux.weight"] is None and trace.grads[-1]["probe.weight"] is None
+    assert_all_sharded(model)
+
+
+def test_module_not_in_backward() -> None:
+    run_ranks(2, _unused)
+
+
+# ---- inference forwards leave every group sharded ----------------------------------------------
+
+
+def loss_after_inference(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, _ = batch
+    with torch.no_grad():
+        expected = model(x)
+    if isinstance(model, FSDPModule):
+        assert_all_sharded(model)
+    model.eval()
+    evaluated = model(x)
+    model.train()
+    if isinstance(model, FSDPModule):
+        assert_all_sharded(model)
+    torch.testing.assert_close(evaluated.detach(), expected)
+    return mse_loss(model, batch)
+
+
+def _inference(rank: int, world_size: int) -> None:
+    run_parity(rank, world_size, MLP, shard_mlp, regression_batch, loss_after_inference, steps=3)
+
+
+def test_no_grad_and_eval_forward_leave_sharded() -> None:
+    run_ranks(2, _inference)
+
+
+# ---- activation checkpointing -------------------------------------------------------------------
+
+
+class CheckpointedBlocks(Transformer):
+    """Checkpoints each sharded block from outside, so its forward hooks run again in backward."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        return self.head(self.norm(x))
+
+
+def _checkpoint_inside(rank: int, world_size: int) -> None:
+    build = functools.partial(Transformer, checkpoint_mlp=True)
+    run_parity(rank, world_size, build, shard_transformer, token_batch, lm_loss)
+
+
+def _checkpoint_around(rank: int, world_size: int) -> None:
+    _, model = run_parity(rank, world_size, CheckpointedBlocks, shard_transformer, token_batch, lm_loss)
+    assert_all_sharded(model)
+
+
+@pytest.mark.parametrize("body", [_checkpoint_inside, _checkpoint_around], ids=["inside_block", "around_block"])
+def test_activation_checkpointing(body) -> None:  # type: ignore[no-untyped-def]
+    run_ranks(2, body)
+
+
+# ---- several forwards before one backward -------------------------------------------------------
+
+
+def two_forward_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    return lm_loss(model, tokens[:1]) + 0.5 * lm_loss(model, tokens[1:])
+
+
+def _two_forwards(rank: int, world_size: int) -> None:
+    run_parity(rank, world_size, Transformer, shard_transformer, token_batch, two_forward_loss)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_several_forwards_one_backward(world_size: int) -> None:
+    run_ranks(world_size, _two_forwards)
+
+
+# ---- zero_grad(set_to_none=False) ---------------------------------------------------------------
+
+
+def _zero_grad_keep(rank: int, world_size: int) -> None:
+    run_parity(rank, world_size, Transformer, shard_transformer, token_batch, lm_loss, set_to_none=False)
+
+
+def test_zero_grad_set_to_none_false() -> None:
+    run_ranks(2, _zero_grad_keep)
