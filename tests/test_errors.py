@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from fullshard import AlreadyShardedError, MixedPrecisionPolicy, fully_shard
 from fullshard.api import check_param_device
@@ -54,10 +54,15 @@ def _bad_arguments(rank: int, world_size: int) -> None:
     mixed.bias = nn.Parameter(torch.zeros(4, dtype=torch.float64))
     with pytest.raises(NotImplementedError, match=r"must share a dtype, got weight: torch.float32, bias: torch.float64"):
         fully_shard(mixed)
+    mesh = init_device_mesh("cpu", (world_size,))
+    tp = nn.Linear(4, 4)
+    tp.weight = nn.Parameter(distribute_tensor(tp.weight.detach(), mesh, [Replicate()]))
+    with pytest.raises(NotImplementedError, match="parameter 'weight' is already a DTensor"):
+        fully_shard(tp)
     with torch.device("meta"):
         on_meta = nn.Linear(3, 3)
     with pytest.raises(NotImplementedError, match="'weight' is on the meta device"):
-        fully_shard(on_meta, mesh=init_device_mesh("cpu", (world_size,)))
+        fully_shard(on_meta, mesh=mesh)
 
 
 @pytest.mark.parametrize("body", [_twice, _shared_across_groups, _bad_arguments])

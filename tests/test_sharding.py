@@ -193,6 +193,43 @@ def test_at_most_two_blocks_unsharded() -> None:
     run_ranks(2, _unsharded_count_bounded)
 
 
+def _explicit_prefetch(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = Transformer(n_blocks=3)
+    shard_transformer(model)
+    model.set_modules_to_forward_prefetch([model.blocks[0], model.blocks[1]])
+    model.blocks[2].set_modules_to_backward_prefetch([model.blocks[1], model.blocks[0]])
+    rec = CommRecorder(model)
+    lm_loss(model, random_batches(1, world_size, token_batch)[0][rank]).backward()
+    events = rec.take()
+    assert events[:4] == [("ag", "root"), ("ag", "blocks.0"), ("ag", "blocks.1"), ("fwd", "root")], events
+    backward = [e for e in events[events.index(("fwd", "blocks.2")) + 1 :] if e[0] == "ag"]
+    assert backward == [("ag", "blocks.2"), ("ag", "blocks.1"), ("ag", "blocks.0")], events
+
+
+def test_explicit_prefetch() -> None:
+    run_ranks(2, _explicit_prefetch)
+
+
+# ---- several modules in one group ----------------------------------------------------------------
+
+
+def shard_pairs(model: nn.Module) -> None:
+    fully_shard([model.layers[0], model.layers[1]])
+    fully_shard(model)
+
+
+def _module_list_group(rank: int, world_size: int) -> None:
+    _, model = run_parity(rank, world_size, MLP, shard_pairs, regression_batch, mse_loss)
+    assert state_of(model.layers[0]) is state_of(model.layers[1])
+    assert [p.fqn for p in state_of(model.layers[0]).group.params] == [
+        "layers.0.weight", "layers.0.bias", "layers.1.weight", "layers.1.bias"]
+
+
+def test_list_of_modules_is_one_group() -> None:
+    run_ranks(2, _module_list_group)
+
+
 # ---- manual unshard / reshard ---------------------------------------------------------------------
 
 

@@ -214,7 +214,7 @@ class CheckpointedBlocks(Transformer):
     """Checkpoints each sharded block from outside, so its forward hooks run again in backward."""
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+        x = self.embed(tokens)
         for block in self.blocks:
             x = checkpoint(block, x, use_reentrant=False)
         return self.head(self.norm(x))
@@ -260,3 +260,30 @@ def _zero_grad_keep(rank: int, world_size: int) -> None:
 
 def test_zero_grad_set_to_none_false() -> None:
     run_ranks(2, _zero_grad_keep)
+
+
+# ---- non-contiguous parameters ------------------------------------------------------------------
+
+
+class Transposed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, 7).t())  # (7, 3), column-major
+        self.out = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(x @ self.w))
+
+
+def shard_transposed(model: nn.Module) -> None:
+    fully_shard(model)
+
+
+def _non_contiguous(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    assert not Transposed().w.is_contiguous()
+    run_parity(rank, world_size, Transposed, shard_transposed, regression_batch, mse_loss)
+
+
+def test_non_contiguous_parameter() -> None:
+    run_ranks(2, _non_contiguous)

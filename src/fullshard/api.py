@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable
 from typing import Any, NoReturn, overload
 
@@ -28,10 +29,21 @@ class AlreadyShardedError(ValueError, AssertionError):
     """
 
 
+_ShardPlacementFn = Callable[[nn.Parameter], Shard | None]
+
+
 @overload
-def fully_shard(module: nn.Module, **kwargs: Any) -> FSDPModule: ...
+def fully_shard(
+    module: nn.Module, *, mesh: DeviceMesh | None = ..., reshard_after_forward: bool | int | None = ...,
+    shard_placement_fn: _ShardPlacementFn | None = ..., mp_policy: MixedPrecisionPolicy = ...,
+    offload_policy: OffloadPolicy = ..., ignored_params: set[nn.Parameter] | None = ..., dp_mesh_dims: object | None = ...,
+) -> FSDPModule: ...
 @overload
-def fully_shard(module: list[nn.Module], **kwargs: Any) -> list[FSDPModule]: ...
+def fully_shard(
+    module: list[nn.Module], *, mesh: DeviceMesh | None = ..., reshard_after_forward: bool | int | None = ...,
+    shard_placement_fn: _ShardPlacementFn | None = ..., mp_policy: MixedPrecisionPolicy = ...,
+    offload_policy: OffloadPolicy = ..., ignored_params: set[nn.Parameter] | None = ..., dp_mesh_dims: object | None = ...,
+) -> list[FSDPModule]: ...
 
 
 def fully_shard(
@@ -39,7 +51,7 @@ def fully_shard(
     *,
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | int | None = None,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    shard_placement_fn: _ShardPlacementFn | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
@@ -207,7 +219,7 @@ def check_param_device(fqn: str, param_device: torch.device, mesh_dev: torch.dev
 
 
 def _layout(
-    param: nn.Parameter, fqn: str, shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None, mesh_info: MeshInfo
+    param: nn.Parameter, fqn: str, shard_placement_fn: _ShardPlacementFn | None, mesh_info: MeshInfo
 ) -> ParamLayout:
     placement = shard_placement_fn(param) if shard_placement_fn is not None else None
     if placement is None:
@@ -232,13 +244,13 @@ class FSDPModule:
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         # Containers build `type(self)(...)` when sliced; build the original class instead.
-        orig_cls = cls.__mro__[2]
+        orig_cls: Any = cls.__mro__[2]
         obj = orig_cls.__new__(orig_cls)
         obj.__init__(*args, **kwargs)
         return obj
 
     def _get_shard_state(self) -> ShardState:
-        state = state_of(self)  # type: ignore[arg-type]
+        state = state_of(self)
         if state is None:
             raise AssertionError(f"no fullshard state on {type(self).__name__}")
         return state
@@ -306,7 +318,7 @@ class UnshardHandle:
 def _states_of(modules: list[FSDPModule]) -> list[ShardState]:
     states = []
     for mod in modules:
-        state = state_of(mod) if isinstance(mod, nn.Module) else None
+        state = state_of(mod)
         if state is None:
             raise ValueError(f"expected modules passed to fully_shard, got {type(mod).__name__}")
         states.append(state)
@@ -329,7 +341,7 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         out = method(self, *args, **kwargs)
         return state._post_forward_hook(self, args, out)
 
-    module.__dict__[method_name] = wrapped.__get__(module)
+    module.__dict__[method_name] = types.MethodType(wrapped, module)
 
 
 _fsdp_classes: dict[type, type] = {}

@@ -42,10 +42,15 @@ def default_device_type() -> str:
 def resolve_mesh(mesh: DeviceMesh | None) -> MeshInfo:
     if mesh is None:
         if not dist.is_initialized():
-            raise ValueError(
-                "fully_shard needs an initialized default process group when mesh=None; "
-                "call torch.distributed.init_process_group() first (torchrun sets the environment)"
-            )
+            # Like FSDP2: initialise from the launcher's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...).
+            try:
+                dist.init_process_group()
+            except ValueError as err:
+                raise ValueError(
+                    "fully_shard needs an initialized default process group when mesh=None, and the "
+                    f"environment does not describe one ({err}); launch with torchrun or call "
+                    "torch.distributed.init_process_group() first"
+                ) from err
         mesh = init_device_mesh(default_device_type(), (dist.get_world_size(),))
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")

@@ -43,7 +43,9 @@ class ShardedParam:
     user references stay valid across every unshard/reshard.
     """
 
-    def __init__(self, fqn: str, sites: list[ParamSite], original: nn.Parameter, layout: ParamLayout, mesh_info: MeshInfo) -> None:
+    def __init__(
+        self, fqn: str, sites: list[ParamSite], original: nn.Parameter, layout: ParamLayout, mesh_info: MeshInfo
+    ) -> None:
         self.fqn = fqn
         self.sites = sites
         self.layout = layout

@@ -55,8 +55,8 @@ class TrainingState(Enum):
     POST_BACKWARD = auto()  # resharding and reducing
 
 
-def state_of(module: nn.Module) -> ShardState | None:
-    state = module.__dict__.get(STATE_KEY)
+def state_of(module: object) -> ShardState | None:
+    state = getattr(module, "__dict__", {}).get(STATE_KEY)
     return state if isinstance(state, ShardState) else None
 
 
@@ -190,8 +190,9 @@ class ShardState:
         own first, becomes a non-root of the enclosing root.
         """
         root_module = self.modules[0]
+        module_names = {module: name for name, module in root_module.named_modules()}
         states: list[ShardState] = []
-        for name, module in root_module.named_modules(remove_duplicate=False):
+        for module, name in module_names.items():
             state = state_of(module)
             if state is None or state in states:
                 continue
@@ -199,7 +200,8 @@ class ShardState:
             if state.group is not None:
                 state.group.label = name
                 for p in state.group.params:
-                    p.fqn = f"{name}.{p.sites[0].name}" if name else p.sites[0].name
+                    prefix = module_names.get(p.sites[0].module, "")
+                    p.fqn = f"{prefix}.{p.sites[0].name}" if prefix else p.sites[0].name
         ctx = IterationContext(states, self.streams)
         for state in states:
             state.ctx = ctx
@@ -211,7 +213,9 @@ class ShardState:
 
     # ---- forward -------------------------------------------------------------
 
-    def _pre_forward_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def _pre_forward_hook(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if in_backward():
             # Activation-checkpoint recomputation: the group is already unsharded for backward.
             if self.group is not None:
@@ -266,7 +270,9 @@ class ShardState:
                 with record_function(f"fullshard::prefetch {target.label}"):
                     target.group.unshard(async_op=True)
 
-    def _wrap_inputs_for_post_backward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def _wrap_inputs_for_post_backward(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         flat, spec = tree_flatten((args, kwargs))
         positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
         if not positions:
