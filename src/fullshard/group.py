@@ -229,7 +229,7 @@ def _pack_rank_major(layout: GroupLayout):  # type: ignore[no-untyped-def]
     all_dim0 = all(p.shard_dim == 0 for p in layout.params)
 
     def fill(grads: list[torch.Tensor], out: torch.Tensor) -> None:
-        if all_dim0 and all(g.dtype == out.dtype for g in grads):
+        if all_dim0:  # casts to the reduce dtype on the way
             torch._chunk_cat(grads, dim=0, num_chunks=world_size, out=out)
             return
         for grad, lay, off in zip(grads, layout.params, layout.shard_offsets):
@@ -239,5 +239,6 @@ def _pack_rank_major(layout: GroupLayout):  # type: ignore[no-untyped-def]
                 padded.narrow(lay.shard_dim, 0, lay.dim_size).copy_(grad)
             dst = out[:, off : off + lay.shard_numel].view(world_size, *lay.chunk_shape)
             dst.copy_(_rank_axis_view(padded.contiguous().view(-1), lay.padded_shape, lay.shard_dim, world_size))
+
 
     return fill

@@ -1,0 +1,90 @@
+"""MixedPrecisionPolicy: compute and all-gather in param_dtype, reduce in reduce_dtype, shards stay fp32."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from fullshard import FSDPModule, MixedPrecisionPolicy, fully_shard
+from fullshard.runtime import state_of
+from tests.harness import run_ranks
+from tests.models import MLP, Transformer, lm_loss, mse_loss
+from tests.parity import regression_batch, run_parity, token_batch
+
+BF16 = torch.bfloat16
+TOL = {"rtol": 2e-2, "atol": 2e-2}
+
+
+def reference_casts(loss_fn, param_dtype: torch.dtype, output_dtype: torch.dtype | None):  # type: ignore[no-untyped-def]
+    """The sharded model's loss as is; the reference's with the same casts done by hand."""
+
+    def loss(model: nn.Module, batch):  # type: ignore[no-untyped-def]
+        if isinstance(model, FSDPModule):
+            return loss_fn(model, batch)
+        cast_params = {n: p.to(param_dtype) for n, p in model.named_parameters()}
+
+        class Cast(nn.Module):
+            def forward(self, x):  # type: ignore[no-untyped-def]
+                x = x.to(param_dtype) if x.is_floating_point() else x
+                out = functional_call(model, cast_params, (x,))
+                return out.to(output_dtype) if output_dtype is not None else out
+
+        return loss_fn(Cast(), batch)
+
+    return loss
+
+
+def shard_with(policy: MixedPrecisionPolicy, children: str, model: nn.Module) -> None:
+    """Children compute in param_dtype end to end; only the root casts its output."""
+    for child in getattr(model, children):
+        fully_shard(child, mp_policy=dataclasses.replace(policy, output_dtype=None))
+    fully_shard(model, mp_policy=policy)
+
+
+def _mp(rank: int, world_size: int, reduce_dtype: torch.dtype | None, model_kind: str) -> None:
+    policy = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=reduce_dtype, output_dtype=torch.float32)
+    if model_kind == "mlp":
+        build, children, batch, loss_fn = MLP, "layers", regression_batch, mse_loss
+    else:
+        build, children, batch, loss_fn = Transformer, "blocks", token_batch, lm_loss
+    trace, model = run_parity(
+        rank, world_size, build, functools.partial(shard_with, policy, children), batch,
+        reference_casts(loss_fn, BF16, torch.float32), steps=3, **TOL,
+    )
+    for name, p in model.named_parameters():
+        assert p.dtype == torch.float32 and p.grad is None, name  # sharded parameters stay in the original dtype
+    group = state_of(getattr(model, children)[0]).group
+    assert group.unsharded_buffer.dtype == BF16 and group.flat_shard.dtype == torch.float32
+    assert group.reduce_dtype == (reduce_dtype or BF16)
+
+
+@pytest.mark.parametrize("reduce_dtype", [torch.float32, None], ids=["reduce_fp32", "reduce_bf16"])
+@pytest.mark.parametrize("model_kind", ["mlp", "transformer"])
+def test_bf16_parity(reduce_dtype: torch.dtype | None, model_kind: str) -> None:
+    run_ranks(2, _mp, reduce_dtype, model_kind)
+
+
+def _dtypes_seen(rank: int, world_size: int) -> None:
+    model = MLP()
+    seen: dict[str, torch.dtype] = {}
+    model.layers[0].register_forward_pre_hook(lambda m, args: seen.update(inp=args[0].dtype, w=m.weight.dtype))
+    policy = MixedPrecisionPolicy(param_dtype=BF16, output_dtype=torch.float16)
+    shard_with(policy, "layers", model)
+    out = model(torch.randn(2, 7))
+    assert seen == {"inp": BF16, "w": BF16}
+    assert out.dtype == torch.float16
+    out.float().sum().backward()
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+    no_cast = MLP()
+    fully_shard(no_cast, mp_policy=MixedPrecisionPolicy(param_dtype=BF16, cast_forward_inputs=False))
+    with pytest.raises(RuntimeError, match="dtype"):
+        no_cast(torch.randn(2, 7))
+
+
+def test_casts_inputs_outputs_and_grads() -> None:
+    run_ranks(2, _dtypes_seen)
