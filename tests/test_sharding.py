@@ -7,13 +7,13 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from fullshard import FSDPModule, UnshardHandle, fully_shard
 from fullshard.group import ShardedState
 from fullshard.runtime import state_of
+from tests.comm import CommRecorder
 from tests.harness import run_ranks
 from tests.models import MLP, Transformer, lm_loss, mse_loss
 from tests.parity import full_params, random_batches, regression_batch, run_parity, token_batch
@@ -100,36 +100,6 @@ def test_shard_placement_fn_dim1() -> None:
 
 
 # ---- collectives per step and prefetch order ------------------------------------------------------
-
-
-class CommRecorder:
-    """Wraps the single-tensor collectives and the modules' forwards to record one event list."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.events: list[tuple[str, str]] = []
-        self._names: dict[int, str] = {}
-        for name, module in model.named_modules():
-            state = state_of(module)
-            if state is not None and state.group is not None:
-                label = name or "root"
-                self._names[state.group.flat_shard.data_ptr()] = label
-                module.register_forward_pre_hook(lambda *_, label=label: self.events.append(("fwd", label)))
-        self._orig = {n: getattr(dist, n) for n in ("all_gather_single", "reduce_scatter_single")}
-        self._rs_label: dict[int, str] = {}
-        dist.all_gather_single = self._all_gather  # type: ignore[assignment]
-        dist.reduce_scatter_single = self._reduce_scatter  # type: ignore[assignment]
-
-    def _all_gather(self, output: torch.Tensor, inp: torch.Tensor, **kwargs: Any) -> Any:
-        self.events.append(("ag", self._names.get(inp.data_ptr(), "?")))
-        return self._orig["all_gather_single"](output, inp, **kwargs)
-
-    def _reduce_scatter(self, output: torch.Tensor, inp: torch.Tensor, **kwargs: Any) -> Any:
-        self.events.append(("rs", f"{inp.numel()}"))
-        return self._orig["reduce_scatter_single"](output, inp, **kwargs)
-
-    def take(self) -> list[tuple[str, str]]:
-        events, self.events = self.events, []
-        return events
 
 
 def _comm_order(rank: int, world_size: int, blocks_reshard: bool) -> None:

@@ -4,7 +4,8 @@
 ``from torch.distributed.fsdp import fully_shard``.
 """
 
-from fullshard.api import AlreadyShardedError, FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from fullshard.api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from fullshard.errors import AlreadyShardedError, UsageError
 from fullshard.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = [
@@ -14,6 +15,7 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "UnshardHandle",
+    "UsageError",
     "fully_shard",
     "register_fsdp_forward_method",
 ]

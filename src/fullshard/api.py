@@ -13,21 +13,19 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from fullshard.collectives import CommStreams
+from fullshard.errors import AlreadyShardedError
 from fullshard.group import ParamGroup
 from fullshard.layout import ParamLayout
 from fullshard.mesh import MeshInfo, mesh_device, resolve_mesh
 from fullshard.param import ParamSite, ShardedParam
-from fullshard.policy import MixedPrecisionPolicy, OffloadPolicy, validate_mp_policy, validate_offload_policy
+from fullshard.policy import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    validate_mp_policy,
+    validate_offload_policy,
+)
 from fullshard.runtime import ShardState, state_of
-
-
-class AlreadyShardedError(ValueError, AssertionError):
-    """``fully_shard`` was applied to a module twice.
-
-    A ``ValueError`` (misuse), and also an ``AssertionError`` because that is
-    what ``torch.distributed.fsdp.fully_shard`` raises for the same mistake.
-    """
-
 
 _ShardPlacementFn = Callable[[nn.Parameter], Shard | None]
 
@@ -82,7 +80,7 @@ def fully_shard(
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
         raise NotImplementedError("reshard_after_forward as an int is not supported yet; pass True or False")
     mp_policy = validate_mp_policy(mp_policy)
-    validate_offload_policy(offload_policy)
+    offload_policy = validate_offload_policy(offload_policy)
     mesh_info = resolve_mesh(mesh)
     device = mesh_device(mesh_info.mesh)
 
@@ -122,6 +120,8 @@ def fully_shard(
         group = ParamGroup(
             sharded, params, mesh_info, device,
             mp_policy.param_dtype, mp_policy.reduce_dtype, streams,
+            offload_to_cpu=isinstance(offload_policy, CPUOffloadPolicy),
+            pin_memory=isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory,
         )
         group.label = type(modules[0]).__name__
     ShardState(tuple(modules), group, device, reshard_after_forward, mp_policy, streams)
@@ -278,12 +278,75 @@ class FSDPModule:
         """Whether to free the unsharded parameters after forward (for this module and, with ``recurse``, below)."""
         if not isinstance(reshard_after_forward, bool):
             raise ValueError(f"reshard_after_forward should be a bool, got {type(reshard_after_forward).__name__}")
+        for state in self._states_below(recurse):
+            state.reshard_after_forward = reshard_after_forward
+            state.reshard_after_forward_arg = reshard_after_forward
+
+    def _states_below(self, recurse: bool) -> list[ShardState]:
         modules = self.modules() if recurse else [self]  # type: ignore[attr-defined]
+        states: list[ShardState] = []
         for mod in modules:
             state = state_of(mod)
-            if state is not None:
-                state.reshard_after_forward = reshard_after_forward
-                state.reshard_after_forward_arg = reshard_after_forward
+            if state is not None and state not in states:
+                states.append(state)
+        return states
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """``False``: backward keeps the unsharded gradients (no communication) to add to a later synced backward.
+
+        The equivalent of FSDP1's ``no_sync()``; for HSDP it skips the all-reduce too.
+        """
+        for state in self._states_below(recurse):
+            state.requires_gradient_sync = requires_gradient_sync
+            if state.group is not None:
+                state.group.requires_all_reduce = requires_gradient_sync
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: ``False`` reduce-scatters but keeps the per-replica sums, all-reduced by a later backward."""
+        for state in self._states_below(recurse):
+            if state.group is not None:
+                state.group.requires_all_reduce = requires_all_reduce
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """``False`` keeps the unsharded parameters after backward (saves the next forward's all-gather)."""
+        for state in self._states_below(recurse):
+            state.reshard_after_backward = reshard_after_backward
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """``False``: the next backward leaves its reductions in flight; the next last backward waits for all."""
+        state = self._get_shard_state()
+        (state.ctx or state.lazy_init()).is_last_backward = is_last_backward
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """``False``: backward needs no parameter of this group (e.g. an embedding), so skip its all-gather."""
+        self._get_shard_state().unshard_in_backward = unshard_in_backward
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide the summed gradients by ``factor`` instead of the data-parallel world size."""
+        group = self._get_shard_state().group
+        if group is not None:
+            group.divide_factor = float(factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """The older name of :meth:`set_gradient_divide_factor`."""
+        self.set_gradient_divide_factor(factor)
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: object | None = None) -> None:
+        """Call ``hook(reduced)`` on each reduced flat gradient (after the all-reduce with HSDP), in place.
+
+        ``stream`` is accepted for signature compatibility; the hook runs on the current stream.
+        """
+        group = self._get_shard_state().group
+        if group is None:
+            return
+        if stream is not None and group.mesh_info.replicate_group is not None:
+            raise ValueError("stream cannot be set when using native HSDP")
+        group.all_reduce_hook = hook
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """Make the root's next all-gathers also wait for ``event`` (recorded after the optimizer step)."""
+        state = self._get_shard_state()
+        (state.ctx or state.lazy_init()).post_optim_event = event
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """All-gather these modules' groups when this module's forward starts (replaces the implicit next one)."""

@@ -40,6 +40,16 @@ class CommStreams:
         self.all_gather = self._module.Stream(priority=-1) if self._module else None
         self.reduce_scatter = self._module.Stream(priority=-1) if self._module else None
 
+    def wait_event(self, event: torch.Event) -> None:
+        """Order the next all-gathers after ``event`` too (e.g. recorded after the optimizer step)."""
+        if self.all_gather is not None:
+            self.all_gather.wait_event(event)  # type: ignore[attr-defined]
+
+    def host_sync(self) -> None:
+        """Block the host until the current stream's work (e.g. device-to-host copies) is done."""
+        if self._module is not None:
+            self._module.current_stream().synchronize()
+
     @contextlib.contextmanager
     def issue_on(self, stream: object | None) -> Iterator[None]:
         """Run the block on ``stream`` after everything already queued on the current stream."""
@@ -77,13 +87,10 @@ def _reduce_scatter_single(*args: Any, **kwargs: Any) -> dist.Work | None:
     return getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(*args, **kwargs)
 
 
-def supports_avg(group: dist.ProcessGroup) -> bool:
-    return dist.get_backend(group) == dist.Backend.NCCL
-
-
 def all_gather(
     flat_shard: torch.Tensor,
     dtype: torch.dtype,
+    device: torch.device,
     group: dist.ProcessGroup,
     streams: CommStreams,
     label: str,
@@ -92,15 +99,18 @@ def all_gather(
 
     Two ranks with flat shard buffers ``[1, 2]`` (rank 0) and ``[3, 4]``
     (rank 1) both receive ``[1, 2, 3, 4]``. ``flat_shard`` is sent as it is when
-    it already has ``dtype`` (no copy-in), else cast into a new all-gather input.
+    it already has ``dtype`` and lives on ``device`` (no copy-in); otherwise it
+    is cast / copied into a new all-gather input. A group of one rank issues no
+    collective: the output is the input.
     """
     world_size = dist.get_world_size(group)
-    output = torch.empty(world_size * flat_shard.numel(), dtype=dtype, device=flat_shard.device)
-    inp = flat_shard if flat_shard.dtype == dtype else torch.empty_like(flat_shard, dtype=dtype)
+    needs_copy = flat_shard.dtype != dtype or flat_shard.device != device
+    inp = torch.empty(flat_shard.shape, dtype=dtype, device=device) if needs_copy else flat_shard
+    output = inp if world_size == 1 else torch.empty(world_size * flat_shard.numel(), dtype=dtype, device=device)
     with record_function(f"fullshard::all_gather {label}"), streams.issue_on(streams.all_gather):
-        if inp is not flat_shard:
-            inp.copy_(flat_shard)
-        work = _all_gather_single(output, inp, group=group, async_op=True)
+        if needs_copy:
+            inp.copy_(flat_shard, non_blocking=True)
+        work = None if world_size == 1 else _all_gather_single(output, inp, group=group, async_op=True)
     return PendingCollective(work, output, (inp,))
 
 
@@ -119,14 +129,22 @@ def reduce_scatter(
     ``fill_input(sources, input)`` packs ``sources`` into the
     ``(world_size, shard_numel)`` input on the reduce-scatter stream. Two ranks
     with inputs ``[1, 2, 3, 4]`` and ``[5, 6, 7, 8]``: rank 0 receives
-    ``[6, 8]``, rank 1 ``[10, 12]``. On NCCL the average is taken in the
-    collective; elsewhere the caller divides the sum.
+    ``[6, 8]``, rank 1 ``[10, 12]``. The caller divides. A group of one rank
+    issues no collective.
     """
     world_size = dist.get_world_size(group)
     inp = torch.empty(world_size, shard_numel, dtype=dtype, device=device)
-    output = torch.empty(shard_numel, dtype=dtype, device=device)
-    op = dist.ReduceOp.AVG if supports_avg(group) else dist.ReduceOp.SUM
+    output = inp.view(-1) if world_size == 1 else torch.empty(shard_numel, dtype=dtype, device=device)
     with record_function(f"fullshard::reduce_scatter {label}"), streams.issue_on(streams.reduce_scatter):
         fill_input(sources, inp)
-        work = _reduce_scatter_single(output, inp.view(-1), op=op, group=group, async_op=True)
+        work = None
+        if world_size > 1:
+            work = _reduce_scatter_single(output, inp.view(-1), op=dist.ReduceOp.SUM, group=group, async_op=True)
     return PendingCollective(work, output, (inp, sources))
+
+
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, streams: CommStreams, label: str) -> PendingCollective:
+    """Sum ``tensor`` in place across ``group`` (HSDP replicas): ``[1, 2]`` and ``[3, 4]`` both become ``[4, 6]``."""
+    with record_function(f"fullshard::all_reduce {label}"), streams.issue_on(streams.reduce_scatter):
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return PendingCollective(work, tensor, ())

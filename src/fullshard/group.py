@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum, auto
 
@@ -10,7 +12,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fullshard.collectives import CommStreams, PendingCollective, all_gather, reduce_scatter, supports_avg
+from fullshard.collectives import CommStreams, PendingCollective, all_gather, all_reduce, reduce_scatter
 from fullshard.layout import GroupLayout
 from fullshard.mesh import MeshInfo
 from fullshard.param import ShardedParam
@@ -59,6 +61,8 @@ class ParamGroup:
         compute_dtype: torch.dtype | None,
         reduce_dtype: torch.dtype | None,
         streams: CommStreams,
+        offload_to_cpu: bool = False,
+        pin_memory: bool = False,
     ) -> None:
         self.params = params
         self.mesh_info = mesh_info
@@ -71,9 +75,19 @@ class ParamGroup:
         self.reduce_dtype = reduce_dtype or self.compute_dtype
         self._grad_layouts: dict[tuple[bool, ...], GroupLayout] = {}
         self._pending_all_gather: PendingCollective | None = None
+        # Where the flat shard and gradient buffers live: the device, or pinned CPU memory when offloading.
+        self.shard_device = torch.device("cpu") if offload_to_cpu else device
+        self.pin_memory = offload_to_cpu and pin_memory and device.type != "cpu"
+        # Gradient reduction settings (FSDPModule.set_* methods).
+        self.divide_factor: float | None = None
+        self.requires_all_reduce = True
+        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+        self._partial_grads: dict[ShardedParam, torch.Tensor] = {}  # HSDP: reduce-scattered, not yet all-reduced
 
         with torch.no_grad():
-            self.flat_shard = torch.empty(self.layout.shard_numel, dtype=orig_dtype, device=device)
+            self.flat_shard = torch.empty(
+                self.layout.shard_numel, dtype=orig_dtype, device=self.shard_device, pin_memory=self.pin_memory
+            )
             for p, original, chunk in zip(params, originals, self._split(self.flat_shard, self.layout)):
                 p.fill_shard(original.detach(), chunk)
                 p.bind_shard(chunk, requires_grad=original.requires_grad)
@@ -100,7 +114,7 @@ class ParamGroup:
         """Issue the all-gather (SHARDED -> UNSHARDING); with ``async_op=False`` also wait."""
         if self.state is ShardedState.SHARDED:
             self._pending_all_gather = all_gather(
-                self.flat_shard, self.compute_dtype, self.mesh_info.shard_group, self.streams, self.label
+                self.flat_shard, self.compute_dtype, self.device, self.mesh_info.shard_group, self.streams, self.label
             )
             self.state = ShardedState.UNSHARDING
         if not async_op:
@@ -161,34 +175,98 @@ class ParamGroup:
 
     # ---- gradients -----------------------------------------------------------
 
+    def accumulate_unsharded_grads(self) -> None:
+        """A backward without gradient sync: keep the unsharded gradients for a later synced one.
+
+        Autograd already sums into ``unsharded.grad`` across backwards; only when
+        the reduce dtype differs from the compute dtype are they moved into a
+        reduce-dtype accumulator, so the sum does not lose precision.
+        """
+        if self.reduce_dtype == self.compute_dtype:
+            return
+        for p in self.params:
+            grad = p.unsharded.grad
+            if grad is None:
+                continue
+            if p.accumulated_grad is None:
+                p.accumulated_grad = grad.to(self.reduce_dtype)
+            else:
+                p.accumulated_grad.add_(grad)
+            p.unsharded.grad = None
+
+    def _take_unsharded_grads(self) -> list[torch.Tensor | None]:
+        grads: list[torch.Tensor | None] = []
+        for p in self.params:
+            grad = p.unsharded.grad if p.requires_grad else None
+            if p.accumulated_grad is not None:
+                if grad is not None:
+                    p.accumulated_grad.add_(grad)
+                grad = p.accumulated_grad
+            p.unsharded.grad = None
+            p.accumulated_grad = None
+            grads.append(grad)
+        return grads
+
+    def _divide_factors(self) -> tuple[float, float]:
+        """(before, after) the reduction; fp16 splits the division so the sum cannot overflow."""
+        total = self.divide_factor if self.divide_factor is not None else float(self.mesh_info.data_parallel_size)
+        if self.reduce_dtype == torch.float16:
+            before = math.sqrt(total)
+            return before, total / before
+        return 1.0, total
+
     def reduce_grads(self) -> PendingReduce | None:
         """Issue one reduce-scatter of every unsharded gradient present; clear them."""
-        with_grad = tuple(p.requires_grad and p.unsharded.grad is not None for p in self.params)
+        taken = self._take_unsharded_grads()
+        with_grad = tuple(g is not None for g in taken)
         if not any(with_grad):
             return None
         layout = self._grad_layouts.get(with_grad)
         if layout is None:
             layout = self._grad_layouts[with_grad] = self.layout.subset(with_grad)
         params = [p for p, keep in zip(self.params, with_grad) if keep]
-        grads: list[torch.Tensor] = []
-        for p in params:
-            assert p.unsharded.grad is not None
-            grads.append(p.unsharded.grad)
-            p.unsharded.grad = None
+        grads = [g for g in taken if g is not None]
+        before, _ = self._divide_factors()
         collective = reduce_scatter(
-            grads, _pack_rank_major(layout), layout.shard_numel, self.reduce_dtype, self.device,
+            grads, _pack_rank_major(layout, before), layout.shard_numel, self.reduce_dtype, self.device,
             self.mesh_info.shard_group, self.streams, self.label,
         )
         return PendingReduce(self, params, layout, collective)
 
     @torch.no_grad()
     def finish_reduce(self, pending: PendingReduce) -> None:
-        """Wait for a reduce-scatter and add its output to the sharded gradients."""
+        """Wait for a reduce-scatter, all-reduce across replicas (HSDP), add to the sharded gradients."""
         reduced = pending.collective.wait()
-        if not supports_avg(self.mesh_info.shard_group):
-            reduced.div_(self.layout.world_size)
+        _, after = self._divide_factors()
+        if after != 1.0:
+            reduced.div_(after)
+        replicate_group = self.mesh_info.replicate_group
+        if replicate_group is not None:
+            chunks = self._split(reduced, pending.layout)
+            if not self.requires_all_reduce:
+                # Keep the partial (per-replica) sums until a backward that all-reduces.
+                for p, chunk in zip(pending.params, chunks):
+                    if p in self._partial_grads:
+                        self._partial_grads[p].add_(chunk)
+                    else:
+                        self._partial_grads[p] = chunk.clone()
+                return
+            for p, chunk in zip(pending.params, chunks):
+                partial = self._partial_grads.pop(p, None)
+                if partial is not None:
+                    chunk.add_(partial)
+            all_reduce(reduced, replicate_group, self.streams, self.label).wait()
+        if self.all_reduce_hook is not None:
+            self.all_reduce_hook(reduced)
+        self._assign_sharded_grads(pending, reduced)
+
+    def _assign_sharded_grads(self, pending: PendingReduce, reduced: torch.Tensor) -> None:
         orig_dtype = self.flat_shard.dtype
-        flat_grad = reduced if reduced.dtype == orig_dtype else reduced.to(orig_dtype)
+        if reduced.dtype == orig_dtype and reduced.device == self.shard_device:
+            flat_grad = reduced
+        else:
+            flat_grad = torch.empty(reduced.shape, dtype=orig_dtype, device=self.shard_device, pin_memory=self.pin_memory)
+            flat_grad.copy_(reduced, non_blocking=True)  # offload: completed by the end-of-backward host sync
         chunks = self._split(flat_grad, pending.layout)
         if all(p.sharded.grad is None for p in pending.params):
             # The common case: the reduce-scatter output becomes the flat gradient buffer.
@@ -212,6 +290,8 @@ class ParamGroup:
             self.state = ShardedState.SHARDED
         for p in self.params:
             p.unsharded.grad = None
+            p.accumulated_grad = None
+        self._partial_grads.clear()
         self.reshard()
 
 
@@ -223,12 +303,17 @@ def _rank_axis_view(padded_full: torch.Tensor, padded_shape: tuple[int, ...], sh
     return padded_full.view(*pre, world_size, chunk, *post).movedim(shard_dim, 0)
 
 
-def _pack_rank_major(layout: GroupLayout):  # type: ignore[no-untyped-def]
+def _pack_rank_major(layout: GroupLayout, divide_by: float) -> Callable[[list[torch.Tensor], torch.Tensor], None]:
     """Fill function for the reduce-scatter input: each gradient chunked over the ranks."""
     world_size = layout.world_size
     all_dim0 = all(p.shard_dim == 0 for p in layout.params)
 
     def fill(grads: list[torch.Tensor], out: torch.Tensor) -> None:
+        pack(grads, out)
+        if divide_by != 1.0:
+            out.div_(divide_by)
+
+    def pack(grads: list[torch.Tensor], out: torch.Tensor) -> None:
         if all_dim0:  # casts to the reduce dtype on the way
             torch._chunk_cat(grads, dim=0, num_chunks=world_size, out=out)
             return

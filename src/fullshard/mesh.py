@@ -7,15 +7,23 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import Placement, Shard
+from torch.distributed.tensor import Placement, Replicate, Shard
+
+from fullshard.errors import UsageError
 
 
 @dataclass(frozen=True)
 class MeshInfo:
-    """A 1-D mesh whose only axis shards parameters."""
+    """Which mesh axis shards parameters and which (HSDP) replicates them.
+
+    A 1-D mesh shards over its only axis. A 2-D mesh is ``(replicate, shard)``:
+    parameters are sharded within each row and gradients all-reduced across
+    rows; a shard axis of size 1 is plain data parallel (DDP).
+    """
 
     mesh: DeviceMesh
     shard_axis: int = 0
+    replicate_axis: int | None = None
 
     @property
     def shard_group(self) -> dist.ProcessGroup:
@@ -29,8 +37,22 @@ class MeshInfo:
     def shard_rank(self) -> int:
         return self.mesh.get_local_rank(self.shard_axis)
 
+    @property
+    def replicate_group(self) -> dist.ProcessGroup | None:
+        return None if self.replicate_axis is None else self.mesh.get_group(self.replicate_axis)
+
+    @property
+    def replicate_size(self) -> int:
+        return 1 if self.replicate_axis is None else self.mesh.size(self.replicate_axis)
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.shard_size * self.replicate_size
+
     def placements(self, shard_dim: int) -> tuple[Placement, ...]:
-        return (Shard(shard_dim),)
+        if self.replicate_axis is None:
+            return (Shard(shard_dim),)
+        return (Replicate(), Shard(shard_dim))
 
 
 def default_device_type() -> str:
@@ -54,11 +76,16 @@ def resolve_mesh(mesh: DeviceMesh | None) -> MeshInfo:
         mesh = init_device_mesh(default_device_type(), (dist.get_world_size(),))
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
-    if mesh.ndim == 2:
-        raise NotImplementedError("2-D (HSDP) meshes are not supported yet; pass a 1-D mesh")
-    if mesh.ndim != 1:
-        raise ValueError(f"fully_shard expects a 1-D or 2-D DeviceMesh, got {mesh.ndim} dimensions: {mesh}")
-    return MeshInfo(mesh)
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}")
+    if mesh.ndim == 1:
+        return MeshInfo(mesh)
+    if mesh.mesh_dim_names is None:
+        raise UsageError(
+            "Please init the 2D mesh for HSDP with mesh_dim_names specified: "
+            "init_device_mesh(device_type, (replicate, shard), mesh_dim_names=('replicate', 'shard'))"
+        )
+    return MeshInfo(mesh, shard_axis=1, replicate_axis=0)
 
 
 def mesh_device(mesh: DeviceMesh) -> torch.device:

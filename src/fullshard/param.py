@@ -54,6 +54,8 @@ class ShardedParam:
         # Weak: the original's memory must be freed once the modules drop it, but a
         # module outside this group that still holds it (a broken tie) must be detected.
         self.original_ref = weakref.ref(original)
+        # Unsharded gradients kept across no-sync backwards when the reduce dtype differs.
+        self.accumulated_grad: torch.Tensor | None = None
         self.sharded: nn.Parameter = original  # replaced by bind_shard
         self.unsharded: nn.Parameter = original  # replaced by bind_unsharded
 

@@ -58,6 +58,4 @@ def validate_mp_policy(policy: object) -> MixedPrecisionPolicy:
 def validate_offload_policy(policy: object) -> OffloadPolicy:
     if not isinstance(policy, OffloadPolicy):
         raise TypeError(f"offload_policy must be an OffloadPolicy, got {type(policy).__name__}")
-    if isinstance(policy, CPUOffloadPolicy):
-        raise NotImplementedError("CPUOffloadPolicy is not supported yet; pass OffloadPolicy() to keep shards on the device")
     return policy

@@ -76,6 +76,8 @@ class IterationContext:
         self.pending_reduces: deque[PendingReduce] = deque()
         self.end_of_backward_queued = False
         self.max_reduces_in_flight = 1
+        self.is_last_backward = True  # False: leave reductions in flight past this backward (micro-batching)
+        self.post_optim_event: torch.Event | None = None
 
     def record_forward(self, state: ShardState) -> None:
         if not self.order_frozen and state not in self.forward_order:
@@ -102,15 +104,19 @@ class IterationContext:
     def end_of_backward(self) -> None:
         with record_function("fullshard::end_of_backward"):
             for state in self.states:
-                if state.group is None:
-                    state.training_state = TrainingState.IDLE
-                    continue
-                if state.training_state is TrainingState.PRE_BACKWARD or state.group.state is not ShardedState.SHARDED:
+                group = state.group
+                if group is not None and (
+                    state.training_state is TrainingState.PRE_BACKWARD
+                    or (group.state is not ShardedState.SHARDED and state.reshard_after_backward)
+                ):
                     state.post_backward()
                 state.training_state = TrainingState.IDLE
-            while self.pending_reduces:
-                done = self.pending_reduces.popleft()
-                done.group.finish_reduce(done)
+            if self.is_last_backward:
+                while self.pending_reduces:
+                    done = self.pending_reduces.popleft()
+                    done.group.finish_reduce(done)
+                if any(s.group is not None and s.group.shard_device != s.group.device for s in self.states):
+                    self.streams.host_sync()  # offloaded gradients were copied to the host asynchronously
             self.end_of_backward_queued = False
 
     def needs_recovery(self) -> bool:
@@ -171,6 +177,9 @@ class ShardState:
         self.is_root = False
         self.forward_prefetch: list[ShardState] | None = None
         self.backward_prefetch: list[ShardState] | None = None
+        self.requires_gradient_sync = True
+        self.reshard_after_backward = True
+        self.unshard_in_backward = True
         for module in modules:
             module.__dict__[STATE_KEY] = self
             module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
@@ -227,6 +236,9 @@ class ShardState:
         if self.is_root:
             if self.ctx.needs_recovery():
                 self.ctx.recover()
+            if self.ctx.post_optim_event is not None:
+                self.streams.wait_event(self.ctx.post_optim_event)
+                self.ctx.post_optim_event = None
             if self.device.type != "cpu":
                 args, kwargs = tree_map_only(torch.Tensor, lambda t: t.to(self.device, non_blocking=True), (args, kwargs))
         self.training_state = TrainingState.FORWARD
@@ -265,7 +277,10 @@ class ShardState:
         return output
 
     def _prefetch(self, targets: list[ShardState]) -> None:
+        backward = self.training_state is TrainingState.PRE_BACKWARD
         for target in targets:
+            if backward and not target.unshard_in_backward:
+                continue
             if target.group is not None and target.group.state is ShardedState.SHARDED:
                 with record_function(f"fullshard::prefetch {target.label}"):
                     target.group.unshard(async_op=True)
@@ -298,7 +313,7 @@ class ShardState:
         assert self.ctx is not None
         self.ctx.queue_end_of_backward()
         self.training_state = TrainingState.PRE_BACKWARD
-        if self.group is None:
+        if self.group is None or not self.unshard_in_backward:
             return
         with record_function(f"fullshard::pre_backward {self.label}"):
             self.group.unshard(async_op=True)
@@ -318,10 +333,14 @@ class ShardState:
             return
         self.training_state = TrainingState.POST_BACKWARD
         with record_function(f"fullshard::post_backward {self.label}"):
-            self.group.reshard()
-            pending = self.group.reduce_grads()
-            if pending is not None:
-                self.ctx.add_reduce(pending)
+            if self.reshard_after_backward:
+                self.group.reshard()
+            if self.requires_gradient_sync:
+                pending = self.group.reduce_grads()
+                if pending is not None:
+                    self.ctx.add_reduce(pending)
+            else:
+                self.group.accumulate_unsharded_grads()
         self.training_state = TrainingState.IDLE
 
 

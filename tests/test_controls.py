@@ -1,0 +1,132 @@
+"""FSDPModule's run-time controls: unshard_in_backward, divide factor, all-reduce hook, reshard_after_forward,
+extra forward methods."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from fullshard import FSDPModule, fully_shard, register_fsdp_forward_method
+from tests.comm import CommRecorder
+from tests.harness import run_ranks
+from tests.models import MLP, Transformer, lm_loss, mse_loss
+from tests.parity import full_grads, random_batches, regression_batch, run_parity, token_batch
+from tests.test_parity import shard_mlp, shard_transformer
+
+
+class EmbedThenMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(37, 6)
+        self.mlp = MLP((6, 13, 37))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.emb(tokens))
+
+
+def embed_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1])
+    return nn.functional.cross_entropy(logits.reshape(-1, 37), tokens[:, 1:].reshape(-1))
+
+
+def shard_embedding_no_backward_gather(model: nn.Module) -> None:
+    fully_shard(model.emb)
+    for layer in model.mlp.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    model.emb.set_unshard_in_backward(False)
+
+
+def _unshard_in_backward(rank: int, world_size: int) -> None:
+    _, model = run_parity(rank, world_size, EmbedThenMLP, shard_embedding_no_backward_gather, token_batch, embed_loss)
+    rec = CommRecorder(model)
+    embed_loss(model, random_batches(1, world_size, token_batch)[0][rank]).backward()
+    rec.close()
+    backward = rec.events[rec.events.index(("fwd", "mlp.layers.1")) + 1 :]
+    assert ("ag", "emb") not in backward, rec.events
+    assert rec.count("ag") == 3 + 2, rec.events  # forward: emb and 2 layers (root has none); backward: the 2 layers
+
+
+def test_unshard_in_backward_false() -> None:
+    run_ranks(2, _unshard_in_backward)
+
+
+def _divide_factor_and_hook(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    ref = MLP()
+    torch.manual_seed(0)
+    model = MLP()
+    shard_mlp(model)
+    calls: list[int] = []
+
+    def double(reduced: torch.Tensor) -> None:
+        calls.append(reduced.numel())
+        reduced.mul_(2)
+
+    for layer in model.layers:
+        layer.set_gradient_divide_factor(1.0)  # sum instead of mean
+    model.layers[0].set_all_reduce_hook(double)
+    batches = random_batches(1, world_size, regression_batch)[0]
+    (sum(mse_loss(ref, b) for b in batches) / world_size).backward()
+    mse_loss(model, batches[rank]).backward()
+    grads, ref_grads = full_grads(model), full_grads(ref)
+    assert len(calls) == 1
+    for name, ref_grad in ref_grads.items():
+        scale = world_size * (2 if name.startswith("layers.0.") else 1)
+        torch.testing.assert_close(grads[name], ref_grad * scale, msg=lambda m: f"{name}: {m}")
+
+
+def test_gradient_divide_factor_and_all_reduce_hook() -> None:
+    run_ranks(2, _divide_factor_and_hook)
+
+
+def _reshard_after_forward_at_runtime(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = Transformer()
+    shard_transformer(model)
+    tokens = random_batches(2, world_size, token_batch)
+    model.set_reshard_after_forward(False)  # every block keeps its parameters until backward
+    rec = CommRecorder(model)
+    lm_loss(model, tokens[0][rank]).backward()
+    assert rec.count("ag") == 3, rec.take()  # forward only
+    rec.take()
+    model.set_reshard_after_forward(True)  # the root too
+    out = model(tokens[1][rank][:, :-1])
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    out.sum().backward()
+    rec.close()
+    assert rec.count("ag") == 3 + 3, rec.events
+    with pytest.raises(ValueError, match="reshard_after_forward should be a bool"):
+        model.set_reshard_after_forward(2)  # type: ignore[arg-type]
+
+
+def test_set_reshard_after_forward() -> None:
+    run_ranks(2, _reshard_after_forward_at_runtime)
+
+
+class WithGenerate(MLP):
+    def generate(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers[-1](torch.relu(self.layers[-2](torch.relu(self.layers[0](x))))).argmax(-1)
+
+
+def _forward_method(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    ref = WithGenerate()
+    torch.manual_seed(0)
+    model = WithGenerate()
+    fully_shard(model)
+    register_fsdp_forward_method(model, "generate")
+    x = torch.randn(4, 7)
+    torch.testing.assert_close(model.generate(x), ref.generate(x))
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    with pytest.raises(ValueError, match="does not have a method nope"):
+        register_fsdp_forward_method(model, "nope")
+    plain = WithGenerate()
+    register_fsdp_forward_method(plain, "generate")  # not sharded: nothing to do
+    assert not isinstance(plain, FSDPModule)
+
+
+def test_register_fsdp_forward_method() -> None:
+    run_ranks(2, _forward_method)

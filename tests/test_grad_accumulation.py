@@ -1,0 +1,99 @@
+"""Gradient accumulation across micro-batches: no sync, no all-reduce (HSDP), kept unsharded, not last backward."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from fullshard import FSDPModule, MixedPrecisionPolicy, fully_shard
+from fullshard.group import ShardedState
+from fullshard.runtime import state_of
+from tests.comm import CommRecorder
+from tests.harness import run_ranks
+from tests.models import Transformer, lm_loss
+from tests.parity import run_parity, token_batch
+
+
+def two_micro_batches(mode: str, world_size: int, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Back-propagate the first micro-batch here (without sync on the sharded model) and return the second's loss.
+
+    The reference scales the first loss by 1/world_size itself, as ``train`` does for the returned one.
+    """
+    first, second = tokens[:2], tokens[2:]
+    if not isinstance(model, FSDPModule):
+        (lm_loss(model, first) / world_size).backward()
+        return lm_loss(model, second)
+    if mode == "no_all_reduce":
+        model.set_requires_all_reduce(False)
+    elif mode == "not_last_backward":
+        model.set_is_last_backward(False)
+    else:
+        model.set_requires_gradient_sync(False)
+    if mode == "keep_unsharded":
+        model.set_reshard_after_backward(False)
+    lm_loss(model, first).backward()
+    if mode == "no_all_reduce":
+        assert all(p.grad is None for p in model.parameters()), "partial sums must not show as gradients"
+    model.set_requires_gradient_sync(True)
+    model.set_requires_all_reduce(True)
+    model.set_is_last_backward(True)
+    if mode != "keep_unsharded":
+        return lm_loss(model, second)
+    assert all(state_of(b).group.state is ShardedState.UNSHARDED for b in model.blocks)
+    model.set_reshard_after_backward(True)
+    rec = CommRecorder(model)
+    loss = lm_loss(model, second)
+    rec.close()
+    assert rec.count("ag") == 0, f"blocks were kept unsharded, yet {rec.events}"
+    return loss
+
+
+def shard_for(mode: str, model: nn.Module) -> None:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")) if mode == "no_all_reduce" else None
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mode == "bf16" else None
+    kwargs = {"mesh": mesh} | ({"mp_policy": policy} if policy else {})
+    for block in model.blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+
+
+def bf16_reference(loss_fn, model, tokens):  # type: ignore[no-untyped-def]
+    from tests.test_mixed_precision import reference_casts
+
+    return reference_casts(loss_fn, torch.bfloat16, None)(model, tokens)
+
+
+def _accumulate(rank: int, world_size: int, mode: str) -> None:
+    loss_fn = functools.partial(two_micro_batches, mode, world_size)
+    tol = {}
+    if mode == "bf16":
+        loss_fn = functools.partial(bf16_reference, loss_fn)
+        tol = {"rtol": 2e-2, "atol": 2e-2}
+    run_parity(rank, world_size, Transformer, functools.partial(shard_for, mode), token_batch, loss_fn, steps=3, **tol)
+
+
+@pytest.mark.parametrize(
+    ("mode", "world_size"),
+    [("no_sync", 2), ("keep_unsharded", 2), ("bf16", 2), ("not_last_backward", 2), ("no_all_reduce", 4)],
+)
+def test_accumulation_parity(mode: str, world_size: int) -> None:
+    run_ranks(world_size, _accumulate, mode)
+
+
+def _no_sync_is_silent(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = Transformer()
+    shard_for("no_sync", model)
+    model.set_requires_gradient_sync(False)
+    rec = CommRecorder(model)
+    lm_loss(model, torch.randint(0, 37, (2, 10))).backward()
+    assert rec.count("rs") == 0 and rec.count("ar") == 0, rec.events
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_no_sync_backward_issues_no_reduction() -> None:
+    run_ranks(2, _no_sync_is_silent)
