@@ -16,6 +16,7 @@ class CommRecorder:
 
     def __init__(self, model: nn.Module) -> None:
         self.events: list[tuple[str, str]] = []
+        self.all_gather_sizes: list[int] = []  # world size of each all-gather's group
         self._names: dict[int, str] = {}
         for name, module in model.named_modules():
             state = state_of(module)
@@ -30,6 +31,7 @@ class CommRecorder:
 
     def _all_gather(self, output: torch.Tensor, inp: torch.Tensor, **kwargs: Any) -> Any:
         self.events.append(("ag", self._names.get(inp.data_ptr(), "?")))
+        self.all_gather_sizes.append(dist.get_world_size(kwargs.get("group")))
         return self._orig["all_gather_single"](output, inp, **kwargs)
 
     def _reduce_scatter(self, output: torch.Tensor, inp: torch.Tensor, **kwargs: Any) -> Any:

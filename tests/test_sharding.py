@@ -229,3 +229,45 @@ def _manual(rank: int, world_size: int) -> None:
 
 def test_manual_unshard_reshard() -> None:
     run_ranks(2, _manual)
+
+
+# ---- reshard_after_forward as an int ---------------------------------------------------------------
+
+
+def shard_to_pairs(model: nn.Module) -> None:
+    for block in model.blocks:
+        fully_shard(block, reshard_after_forward=2)
+    fully_shard(model)
+
+
+def _reshard_to_smaller_group(rank: int, world_size: int) -> None:
+    _, model = run_parity(rank, world_size, Transformer, shard_to_pairs, token_batch, lm_loss)
+    tokens = random_batches(1, world_size, token_batch)[0][rank]
+    rec = CommRecorder(model)
+    loss = lm_loss(model, tokens)
+    for block in model.blocks:
+        assert state_of(block).group.state is ShardedState.SHARDED_POST_FORWARD
+        assert all(isinstance(p, DTensor) for p in block.parameters())
+    forward_sizes = list(rec.all_gather_sizes)
+    loss.backward()
+    rec.close()
+    assert forward_sizes == [4, 4, 4], forward_sizes  # root, blocks.0, blocks.1 over all ranks
+    assert rec.all_gather_sizes[3:] == [2, 2], rec.all_gather_sizes  # backward: within pairs
+    assert all(state_of(m).group.state is ShardedState.SHARDED for m in (model, *model.blocks))
+
+
+def test_reshard_after_forward_int() -> None:
+    run_ranks(4, _reshard_to_smaller_group)
+
+
+def _bad_int(rank: int, world_size: int) -> None:
+    with pytest.raises(ValueError, match="should be a factor of 4, not 3"):
+        fully_shard(nn.Linear(4, 4), reshard_after_forward=3)
+    with pytest.raises(ValueError, match="should be a factor of 4, not 0"):
+        fully_shard(nn.Linear(4, 4), reshard_after_forward=0)
+    one = fully_shard(nn.Linear(4, 4), reshard_after_forward=1)
+    assert state_of(one).reshard_after_forward is False
+
+
+def test_reshard_after_forward_int_validation() -> None:
+    run_ranks(4, _bad_int)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import types
 from collections.abc import Callable
 from typing import Any, NoReturn, overload
@@ -16,7 +17,7 @@ from fullshard.collectives import CommStreams
 from fullshard.errors import AlreadyShardedError
 from fullshard.group import ParamGroup
 from fullshard.layout import ParamLayout
-from fullshard.mesh import MeshInfo, mesh_device, resolve_mesh
+from fullshard.mesh import MeshInfo, mesh_device, post_forward_group, resolve_mesh
 from fullshard.param import ParamSite, ShardedParam
 from fullshard.policy import (
     CPUOffloadPolicy,
@@ -26,6 +27,8 @@ from fullshard.policy import (
     validate_offload_policy,
 )
 from fullshard.runtime import ShardState, state_of
+
+log = logging.getLogger("fullshard")
 
 _ShardPlacementFn = Callable[[nn.Parameter], Shard | None]
 
@@ -77,12 +80,11 @@ def fully_shard(
         raise ValueError(
             f"reshard_after_forward should be a bool, an int or None, not {reshard_after_forward!r}"
         )
-    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
-        raise NotImplementedError("reshard_after_forward as an int is not supported yet; pass True or False")
     mp_policy = validate_mp_policy(mp_policy)
     offload_policy = validate_offload_policy(offload_policy)
     mesh_info = resolve_mesh(mesh)
     device = mesh_device(mesh_info.mesh)
+    reshard_after_forward, post_forward_size = _resolve_reshard_after_forward(reshard_after_forward, mesh_info)
 
     managed = _managed_modules(modules)
     owned_elsewhere = _params_of_descendant_groups(modules)
@@ -124,10 +126,27 @@ def fully_shard(
             pin_memory=isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory,
         )
         group.label = type(modules[0]).__name__
+        if post_forward_size is not None:
+            group.set_post_forward_group(post_forward_group(mesh_info, post_forward_size))
     ShardState(tuple(modules), group, device, reshard_after_forward, mp_policy, streams)
     for mod in modules:
         _become_fsdp_module(mod)
     return module
+
+
+def _resolve_reshard_after_forward(value: bool | int | None, mesh_info: MeshInfo) -> tuple[bool | None, int | None]:
+    """(reshard after forward?, size of the smaller group to reshard to, if any)."""
+    if value is None or isinstance(value, bool):
+        return value, None
+    size = mesh_info.shard_size
+    if value < 1 or value > size or size % value:
+        raise ValueError(f"If passing reshard_after_forward as an int, it should be a factor of {size}, not {value}")
+    if value == 1:
+        log.warning("reshard_after_forward=1 (int) keeps the parameters unsharded after forward, like False")
+        return False, None
+    if value == size:
+        return True, None
+    return True, value
 
 
 def _validate_modules(module: nn.Module | list[nn.Module]) -> list[nn.Module]:
@@ -281,6 +300,8 @@ class FSDPModule:
         for state in self._states_below(recurse):
             state.reshard_after_forward = reshard_after_forward
             state.reshard_after_forward_arg = reshard_after_forward
+            if state.group is not None:
+                state.group.set_post_forward_group(None)
 
     def _states_below(self, recurse: bool) -> list[ShardState]:
         modules = self.modules() if recurse else [self]  # type: ignore[attr-defined]

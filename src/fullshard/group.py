@@ -9,11 +9,12 @@ from dataclasses import dataclass
 from enum import Enum, auto
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fullshard.collectives import CommStreams, PendingCollective, all_gather, all_reduce, reduce_scatter
-from fullshard.layout import GroupLayout
+from fullshard.layout import GroupLayout, ParamLayout
 from fullshard.mesh import MeshInfo
 from fullshard.param import ShardedParam
 
@@ -31,6 +32,25 @@ class ShardedState(Enum):
     # Unsharded parameters registered; the unsharded buffer is allocated and
     # filled. The flat shard buffer stays allocated (it is the source of truth).
     UNSHARDED = auto()
+    # After forward with reshard_after_forward=k: sharded parameters registered;
+    # the post-forward shard buffer holds this rank's 1/k of the unsharded
+    # parameters, so backward all-gathers within k ranks only.
+    SHARDED_POST_FORWARD = auto()
+
+
+@dataclass
+class PostForwardShard:
+    """The smaller sharding kept between forward and backward (``reshard_after_forward=k``).
+
+    ``group`` holds ``k`` consecutive ranks of the shard group; ``layout`` cuts
+    every parameter into ``k`` chunks; ``buffer`` (compute dtype) holds this
+    rank's chunk and is freed (storage size 0) outside SHARDED_POST_FORWARD.
+    """
+
+    layout: GroupLayout
+    group: dist.ProcessGroup
+    rank: int
+    buffer: torch.Tensor
 
 
 @dataclass
@@ -75,6 +95,8 @@ class ParamGroup:
         self.reduce_dtype = reduce_dtype or self.compute_dtype
         self._grad_layouts: dict[tuple[bool, ...], GroupLayout] = {}
         self._pending_all_gather: PendingCollective | None = None
+        self._pending_layout = self.layout  # the layout the in-flight all-gather's output has
+        self.post_forward: PostForwardShard | None = None
         # Where the flat shard and gradient buffers live: the device, or pinned CPU memory when offloading.
         self.shard_device = torch.device("cpu") if offload_to_cpu else device
         self.pin_memory = offload_to_cpu and pin_memory and device.type != "cpu"
@@ -110,12 +132,32 @@ class ParamGroup:
 
     # ---- state transitions -------------------------------------------------
 
+    def set_post_forward_group(self, group: dist.ProcessGroup | None) -> None:
+        """Reshard to ``group`` (k consecutive ranks) after forward instead of to the full shard group."""
+        if self.state is ShardedState.SHARDED_POST_FORWARD:
+            self.reshard()
+        if group is None:
+            self.post_forward = None
+            return
+        size = dist.get_world_size(group)
+        layout = GroupLayout(tuple(ParamLayout(p.shape, p.shard_dim, size) for p in self.layout.params))
+        buffer = torch.empty(layout.shard_numel, dtype=self.compute_dtype, device=self.device)
+        buffer.untyped_storage().resize_(0)
+        self.post_forward = PostForwardShard(layout, group, dist.get_rank(group), buffer)
+
     def unshard(self, async_op: bool = False) -> None:
-        """Issue the all-gather (SHARDED -> UNSHARDING); with ``async_op=False`` also wait."""
+        """Issue the all-gather (SHARDED[_POST_FORWARD] -> UNSHARDING); with ``async_op=False`` also wait."""
         if self.state is ShardedState.SHARDED:
+            self._pending_layout = self.layout
             self._pending_all_gather = all_gather(
                 self.flat_shard, self.compute_dtype, self.device, self.mesh_info.shard_group, self.streams, self.label
             )
+            self.state = ShardedState.UNSHARDING
+        elif self.state is ShardedState.SHARDED_POST_FORWARD:
+            assert self.post_forward is not None
+            pf = self.post_forward
+            self._pending_layout = pf.layout
+            self._pending_all_gather = all_gather(pf.buffer, self.compute_dtype, self.device, pf.group, self.streams, self.label)
             self.state = ShardedState.UNSHARDING
         if not async_op:
             self.wait_for_unshard()
@@ -129,7 +171,9 @@ class ParamGroup:
         output = self._pending_all_gather.wait()
         self._pending_all_gather = None
         self._alloc_unsharded()
-        self._copy_out(output)
+        self._copy_out(output, self._pending_layout)
+        if self.post_forward is not None:
+            self.post_forward.buffer.untyped_storage().resize_(0)
         for p in self.params:
             p.register_unsharded()
         self.state = ShardedState.UNSHARDED
@@ -143,7 +187,28 @@ class ParamGroup:
         for p in self.params:
             p.register(p.sharded)
         self._free_unsharded()
+        if self.post_forward is not None:
+            self.post_forward.buffer.untyped_storage().resize_(0)
         self.state = ShardedState.SHARDED
+
+    @torch.no_grad()
+    def reshard_post_forward(self) -> None:
+        """UNSHARDED -> SHARDED_POST_FORWARD: keep this rank's 1/k of the unsharded parameters (a local copy)."""
+        pf = self.post_forward
+        if pf is None or self.state is not ShardedState.UNSHARDED:
+            self.reshard()
+            return
+        storage = pf.buffer.untyped_storage()
+        storage.resize_(pf.buffer.numel() * pf.buffer.element_size())
+        regions = self._split(self.unsharded_buffer, self.layout, unsharded=True)
+        chunks = self._split(pf.buffer, pf.layout)
+        for p, region, chunk, lay in zip(self.params, regions, chunks, pf.layout.params):
+            full = region.view(p.layout.padded_shape).narrow(lay.shard_dim, 0, lay.padded_shape[lay.shard_dim])
+            chunk.view(lay.chunk_shape).copy_(_rank_axis_view(full, lay.shard_dim, lay.world_size)[pf.rank])
+        for p in self.params:
+            p.register(p.sharded)
+        self._free_unsharded()
+        self.state = ShardedState.SHARDED_POST_FORWARD
 
     def _alloc_unsharded(self) -> None:
         storage = self.unsharded_buffer.untyped_storage()
@@ -157,21 +222,25 @@ class ParamGroup:
         self.unsharded_buffer.untyped_storage().resize_(0)
 
     @torch.no_grad()
-    def _copy_out(self, output: torch.Tensor) -> None:
-        """Reorder the rank-major all-gather output into the parameter-major unsharded buffer."""
-        world_size = self.layout.world_size
+    def _copy_out(self, output: torch.Tensor, src: GroupLayout) -> None:
+        """Reorder a rank-major all-gather output (cut as ``src``) into the parameter-major unsharded buffer.
+
+        ``src`` is the group's layout, or the post-forward one: cut into fewer
+        chunks, whose padded rows always fit inside the full layout's.
+        """
+        world_size = src.world_size
         regions = self._split(self.unsharded_buffer, self.layout, unsharded=True)
         rank_major = output.view(world_size, -1)
-        if all(p.layout.shard_dim == 0 for p in self.params):
+        if src is self.layout and all(p.layout.shard_dim == 0 for p in self.params):
             # Row r of a dim-0 parameter's padded full tensor is rank r's chunk.
             torch.split_with_sizes_copy(
                 rank_major, list(self.layout.shard_numels), dim=1, out=[r.view(world_size, -1) for r in regions]
             )
             return
-        for p, region, off in zip(self.params, regions, self.layout.shard_offsets):
-            lay = p.layout
+        for p, region, lay, off in zip(self.params, regions, src.params, src.shard_offsets):
             chunks = rank_major[:, off : off + lay.shard_numel].view(world_size, *lay.chunk_shape)
-            _rank_axis_view(region, lay.padded_shape, lay.shard_dim, world_size).copy_(chunks)
+            full = region.view(p.layout.padded_shape).narrow(lay.shard_dim, 0, lay.padded_shape[lay.shard_dim])
+            _rank_axis_view(full, lay.shard_dim, world_size).copy_(chunks)
 
     # ---- gradients -----------------------------------------------------------
 
@@ -295,12 +364,11 @@ class ParamGroup:
         self.reshard()
 
 
-def _rank_axis_view(padded_full: torch.Tensor, padded_shape: tuple[int, ...], shard_dim: int, world_size: int) -> torch.Tensor:
+def _rank_axis_view(padded_full: torch.Tensor, shard_dim: int, world_size: int) -> torch.Tensor:
     """View a padded full tensor as ``(world_size, *chunk_shape)``: index r is rank r's chunk."""
-    pre = padded_shape[:shard_dim]
-    post = padded_shape[shard_dim + 1 :]
-    chunk = padded_shape[shard_dim] // world_size
-    return padded_full.view(*pre, world_size, chunk, *post).movedim(shard_dim, 0)
+    shape = padded_full.shape
+    chunk = shape[shard_dim] // world_size
+    return padded_full.view(*shape[:shard_dim], world_size, chunk, *shape[shard_dim + 1 :]).movedim(shard_dim, 0)
 
 
 def _pack_rank_major(layout: GroupLayout, divide_by: float) -> Callable[[list[torch.Tensor], torch.Tensor], None]:
@@ -323,7 +391,7 @@ def _pack_rank_major(layout: GroupLayout, divide_by: float) -> Callable[[list[to
                 padded = grad.new_zeros(lay.padded_shape)
                 padded.narrow(lay.shard_dim, 0, lay.dim_size).copy_(grad)
             dst = out[:, off : off + lay.shard_numel].view(world_size, *lay.chunk_shape)
-            dst.copy_(_rank_axis_view(padded.contiguous().view(-1), lay.padded_shape, lay.shard_dim, world_size))
+            dst.copy_(_rank_axis_view(padded.contiguous(), lay.shard_dim, world_size))
 
 
     return fill

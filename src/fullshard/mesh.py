@@ -94,3 +94,13 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
         return torch.device("cpu")
     module = torch.get_device_module(mesh.device_type)
     return torch.device(mesh.device_type, module.current_device())
+
+
+def post_forward_group(mesh_info: MeshInfo, size: int) -> dist.ProcessGroup:
+    """The group of ``size`` consecutive ranks (within one shard row) that this rank reshards to after forward.
+
+    Every rank of the mesh must call this together (it creates process groups).
+    """
+    ranks = mesh_info.mesh.mesh.reshape(-1, size)
+    sub_mesh = DeviceMesh(mesh_info.mesh.device_type, ranks)
+    return sub_mesh.get_group(1)

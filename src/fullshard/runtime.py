@@ -263,7 +263,7 @@ class ShardState:
             return output
         assert self.ctx is not None
         if self.group is not None and self.reshard_after_forward:
-            self.group.reshard()
+            self.group.reshard_post_forward()
         if self.mp_policy.output_dtype is not None:
             output = _cast_floats(output, self.mp_policy.output_dtype)
         needs_backward = self._register_pre_backward(output)
@@ -281,7 +281,7 @@ class ShardState:
         for target in targets:
             if backward and not target.unshard_in_backward:
                 continue
-            if target.group is not None and target.group.state is ShardedState.SHARDED:
+            if target.group is not None and target.group.state in (ShardedState.SHARDED, ShardedState.SHARDED_POST_FORWARD):
                 with record_function(f"fullshard::prefetch {target.label}"):
                     target.group.unshard(async_op=True)
 
