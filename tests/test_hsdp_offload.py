@@ -1,12 +1,14 @@
-"""HSDP on a 2-D (replicate, shard) mesh, DDP-like (N, 1) meshes, and CPU offload."""
+"""HSDP on a 2-D (replicate, shard) mesh, replicate-only (DDP-like) meshes, and CPU offload."""
 
 from __future__ import annotations
 
 import functools
 
 import pytest
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import DataParallelMeshDims
 from torch.distributed.tensor import Replicate, Shard
 
 from fullshard import CPUOffloadPolicy, UsageError, fully_shard
@@ -70,3 +72,28 @@ def _offload(rank: int, world_size: int) -> None:
 
 def test_cpu_offload_parity() -> None:
     run_ranks(2, _offload)
+
+
+def shard_replicate_only(model: nn.Module) -> None:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(replicate="dp"))
+    fully_shard(model, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(replicate="dp"))
+
+
+def _replicate_only(rank: int, world_size: int) -> None:
+    _, model = run_parity(rank, world_size, Transformer, shard_replicate_only, token_batch, lm_loss)
+    for name, p in model.named_parameters():
+        assert p.placements == (Replicate(),) and p.to_local().shape == p.shape, name
+    rec = CommRecorder(model)
+    lm_loss(model, random_batches(1, world_size, token_batch)[0][rank]).backward()
+    rec.close()
+    assert rec.count("ag") == 0 and rec.count("rs") == 0, rec.events
+    assert rec.count("ar") == 3, rec.events
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    with pytest.raises(ValueError, match="Mesh dim name 'tp' not found"):
+        fully_shard(nn.Linear(2, 2), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="tp"))
+
+
+def test_one_dim_replicate_mesh_is_ddp() -> None:
+    run_ranks(2, _replicate_only)

@@ -73,8 +73,6 @@ def fully_shard(
     forward and all-gathers them again in backward; ``False`` keeps them;
     ``None`` means ``False`` for the root and ``True`` otherwise.
     """
-    if dp_mesh_dims is not None:
-        raise NotImplementedError("fully_shard(dp_mesh_dims=...) is not supported; pass the data-parallel mesh as mesh")
     modules = _validate_modules(module)
     if not isinstance(reshard_after_forward, (bool, int, type(None))):
         raise ValueError(
@@ -82,7 +80,7 @@ def fully_shard(
         )
     mp_policy = validate_mp_policy(mp_policy)
     offload_policy = validate_offload_policy(offload_policy)
-    mesh_info = resolve_mesh(mesh)
+    mesh_info = resolve_mesh(mesh, dp_mesh_dims)
     device = mesh_device(mesh_info.mesh)
     reshard_after_forward, post_forward_size = _resolve_reshard_after_forward(reshard_after_forward, mesh_info)
 

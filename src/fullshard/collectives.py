@@ -91,7 +91,7 @@ def all_gather(
     flat_shard: torch.Tensor,
     dtype: torch.dtype,
     device: torch.device,
-    group: dist.ProcessGroup,
+    group: dist.ProcessGroup | None,
     streams: CommStreams,
     label: str,
 ) -> PendingCollective:
@@ -101,9 +101,9 @@ def all_gather(
     (rank 1) both receive ``[1, 2, 3, 4]``. ``flat_shard`` is sent as it is when
     it already has ``dtype`` and lives on ``device`` (no copy-in); otherwise it
     is cast / copied into a new all-gather input. A group of one rank issues no
-    collective: the output is the input.
+    collective (``group=None`` means this rank alone): the output is the input.
     """
-    world_size = dist.get_world_size(group)
+    world_size = 1 if group is None else dist.get_world_size(group)
     needs_copy = flat_shard.dtype != dtype or flat_shard.device != device
     inp = torch.empty(flat_shard.shape, dtype=dtype, device=device) if needs_copy else flat_shard
     output = inp if world_size == 1 else torch.empty(world_size * flat_shard.numel(), dtype=dtype, device=device)
@@ -120,7 +120,7 @@ def reduce_scatter(
     shard_numel: int,
     dtype: torch.dtype,
     device: torch.device,
-    group: dist.ProcessGroup,
+    group: dist.ProcessGroup | None,
     streams: CommStreams,
     label: str,
 ) -> PendingCollective:
@@ -132,7 +132,7 @@ def reduce_scatter(
     ``[6, 8]``, rank 1 ``[10, 12]``. The caller divides. A group of one rank
     issues no collective.
     """
-    world_size = dist.get_world_size(group)
+    world_size = 1 if group is None else dist.get_world_size(group)
     inp = torch.empty(world_size, shard_numel, dtype=dtype, device=device)
     output = inp.view(-1) if world_size == 1 else torch.empty(shard_numel, dtype=dtype, device=device)
     with record_function(f"fullshard::reduce_scatter {label}"), streams.issue_on(streams.reduce_scatter):

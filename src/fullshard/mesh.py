@@ -22,20 +22,21 @@ class MeshInfo:
     """
 
     mesh: DeviceMesh
-    shard_axis: int = 0
+    shard_axis: int | None = 0  # None: nothing is sharded (replicate-only, like DDP)
     replicate_axis: int | None = None
 
     @property
-    def shard_group(self) -> dist.ProcessGroup:
-        return self.mesh.get_group(self.shard_axis)
+    def shard_group(self) -> dist.ProcessGroup | None:
+        """``None`` when parameters are not sharded: collectives over it are skipped."""
+        return None if self.shard_axis is None else self.mesh.get_group(self.shard_axis)
 
     @property
     def shard_size(self) -> int:
-        return self.mesh.size(self.shard_axis)
+        return 1 if self.shard_axis is None else self.mesh.size(self.shard_axis)
 
     @property
     def shard_rank(self) -> int:
-        return self.mesh.get_local_rank(self.shard_axis)
+        return 0 if self.shard_axis is None else self.mesh.get_local_rank(self.shard_axis)
 
     @property
     def replicate_group(self) -> dist.ProcessGroup | None:
@@ -50,9 +51,7 @@ class MeshInfo:
         return self.shard_size * self.replicate_size
 
     def placements(self, shard_dim: int) -> tuple[Placement, ...]:
-        if self.replicate_axis is None:
-            return (Shard(shard_dim),)
-        return (Replicate(), Shard(shard_dim))
+        return tuple(Shard(shard_dim) if axis == self.shard_axis else Replicate() for axis in range(self.mesh.ndim))
 
 
 def default_device_type() -> str:
@@ -61,7 +60,7 @@ def default_device_type() -> str:
     return accelerator.type if accelerator is not None else "cpu"
 
 
-def resolve_mesh(mesh: DeviceMesh | None) -> MeshInfo:
+def resolve_mesh(mesh: DeviceMesh | None, dp_mesh_dims: object | None = None) -> MeshInfo:
     if mesh is None:
         if not dist.is_initialized():
             # Like FSDP2: initialise from the launcher's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...).
@@ -76,6 +75,8 @@ def resolve_mesh(mesh: DeviceMesh | None) -> MeshInfo:
         mesh = init_device_mesh(default_device_type(), (dist.get_world_size(),))
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
+    if dp_mesh_dims is not None:
+        return _mesh_info_from_names(mesh, dp_mesh_dims)
     if mesh.ndim not in (1, 2):
         raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}")
     if mesh.ndim == 1:
@@ -86,6 +87,28 @@ def resolve_mesh(mesh: DeviceMesh | None) -> MeshInfo:
             "init_device_mesh(device_type, (replicate, shard), mesh_dim_names=('replicate', 'shard'))"
         )
     return MeshInfo(mesh, shard_axis=1, replicate_axis=0)
+
+
+def _mesh_info_from_names(mesh: DeviceMesh, dims: object) -> MeshInfo:
+    """``dp_mesh_dims`` (torch's ``DataParallelMeshDims``): name the shard and/or replicate axis of ``mesh``."""
+    shard_names: tuple[str, ...] = tuple(getattr(dims, "shard_names", ()))
+    replicate_names: tuple[str, ...] = tuple(getattr(dims, "replicate_names", ()))
+    if not shard_names and not replicate_names:
+        raise ValueError("At least one of shard or replicate must be set in dp_mesh_dims")
+    if mesh.mesh_dim_names is None:
+        raise ValueError("mesh must have mesh_dim_names when dp_mesh_dims is provided")
+    for name in shard_names + replicate_names:
+        if name not in mesh.mesh_dim_names:
+            raise ValueError(f"Mesh dim name '{name}' not found in mesh.mesh_dim_names {mesh.mesh_dim_names}")
+    if len(shard_names) > 1 or len(replicate_names) > 1:
+        raise NotImplementedError(f"dp_mesh_dims with several names per role is not supported: {dims}")
+    if len(shard_names) + len(replicate_names) != mesh.ndim:
+        raise NotImplementedError(
+            f"dp_mesh_dims must name every axis of the mesh {mesh.mesh_dim_names} (tensor-parallel axes are not supported)"
+        )
+    shard_axis = mesh.mesh_dim_names.index(shard_names[0]) if shard_names else None
+    replicate_axis = mesh.mesh_dim_names.index(replicate_names[0]) if replicate_names else None
+    return MeshInfo(mesh, shard_axis=shard_axis, replicate_axis=replicate_axis)
 
 
 def mesh_device(mesh: DeviceMesh) -> torch.device:
