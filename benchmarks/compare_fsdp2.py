@@ -14,7 +14,6 @@ per-rank parameter bytes, and the largest loss difference as a sanity check.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -22,7 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from launch import device_for, launch
 from torch import nn
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
@@ -59,17 +58,8 @@ def param_bytes(model: nn.Module, is_fullshard: bool) -> int:
     return sum(p.to_local().numel() * p.element_size() for p in model.parameters())
 
 
-def worker(rank: int, world_size: int, args: argparse.Namespace, store_port: int | None) -> None:
-    device = torch.device("cuda", rank % torch.cuda.device_count()) if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    if store_port is None:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    else:
-        store = dist.TCPStore("127.0.0.1", store_port, is_master=False)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
+    device = device_for(rank)
     cfg = GPTConfig(dim=args.dim, n_heads=args.heads, hidden=4 * args.dim, n_layers=args.layers, seq_len=args.seq)
     runs: dict[str, dict[str, Any]] = {}
     for name, shard_fn in (("fullshard", fullshard.fully_shard), ("torch", torch_fully_shard)):
@@ -108,8 +98,6 @@ def worker(rank: int, world_size: int, args: argparse.Namespace, store_port: int
                 run["times"].append(elapsed.item())
     if rank == 0:
         report(runs, world_size, device, cfg, args)
-    dist.barrier()  # tear gloo down on every rank together; a rank leaving early can abort the other
-    dist.destroy_process_group()
 
 
 def report(
@@ -131,12 +119,7 @@ def report(
 
 def main() -> None:
     args = parse_args()
-    if "RANK" in os.environ:
-        worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, None)
-        return
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    mp.spawn(worker, args=(args.world_size, args, store.port), nprocs=args.world_size)
+    launch(worker, args.world_size, args)
 
 
 if __name__ == "__main__":

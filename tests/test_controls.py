@@ -130,3 +130,72 @@ def _forward_method(rank: int, world_size: int) -> None:
 
 def test_register_fsdp_forward_method() -> None:
     run_ranks(2, _forward_method)
+
+
+# ---- mixture of experts: ranks use different parameters of one group ------------------------------
+
+
+class TwoExperts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList([nn.Linear(7, 3), nn.Linear(7, 3)])
+
+    def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        return self.experts[expert](x)
+
+
+def routed_batches():  # type: ignore[no-untyped-def]
+    """``make_batch`` for random_batches: the k-th batch made (rank k % world_size) is routed to expert k % 2."""
+    counter = iter(range(10**6))
+
+    def make(gen: torch.Generator):  # type: ignore[no-untyped-def]
+        x, y = regression_batch(gen)
+        return x, y, next(counter) % 2
+
+    return make
+
+
+def routed_loss(model: nn.Module, batch) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    x, y, expert = batch
+    return nn.functional.mse_loss(model(x, expert), y)
+
+
+def shard_experts(model: nn.Module) -> None:
+    fully_shard(model)
+    model.set_reduce_scatter_unused_params(True)
+
+
+def _unused_params(rank: int, world_size: int) -> None:
+    trace, _ = run_parity(rank, world_size, TwoExperts, shard_experts, routed_batches(), routed_loss)
+    assert all(g is not None for g in trace.grads[0].values())  # zeros were reduced for the unused expert
+
+
+def test_reduce_scatter_unused_params() -> None:
+    run_ranks(2, _unused_params)
+
+
+def shard_with_comm_options(model: nn.Module) -> None:
+    shard_transformer(model)
+    model.set_reduce_scatter_max_input_buffers(3)
+    model.set_separate_reduce_scatter_group()
+    model.set_force_sum_reduction_for_comms(True)
+
+
+def _comm_options(rank: int, world_size: int) -> None:
+    _, model = run_parity(rank, world_size, Transformer, shard_with_comm_options, token_batch, lm_loss)
+    from fullshard.runtime import state_of
+
+    group = state_of(model.blocks[0]).group
+    assert group.reduce_scatter_group is not None and group.reduce_scatter_group != group.mesh_info.shard_group
+    assert state_of(model).ctx.max_reduces_in_flight == 3
+    with pytest.raises(TypeError, match="max_input_buffers must be an int, got bool"):
+        model.set_reduce_scatter_max_input_buffers(True)
+    with pytest.raises(ValueError, match="max_input_buffers must be a positive int, got 0"):
+        model.set_reduce_scatter_max_input_buffers(0)
+    for method in ("set_custom_all_gather", "set_custom_reduce_scatter"):
+        with pytest.raises(NotImplementedError, match=f"{method} is not supported"):
+            getattr(model, method)(None)
+
+
+def test_comm_options() -> None:
+    run_ranks(2, _comm_options)

@@ -4,13 +4,16 @@
 ``from torch.distributed.fsdp import fully_shard``.
 """
 
-from fullshard.api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import DataParallelMeshDims
+
+from fullshard.api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method, share_comm_ctx
 from fullshard.errors import AlreadyShardedError, UsageError
 from fullshard.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = [
     "AlreadyShardedError",
     "CPUOffloadPolicy",
+    "DataParallelMeshDims",
     "FSDPModule",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
@@ -18,4 +21,5 @@ __all__ = [
     "UsageError",
     "fully_shard",
     "register_fsdp_forward_method",
+    "share_comm_ctx",
 ]

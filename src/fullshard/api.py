@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn, overload
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
@@ -367,6 +368,59 @@ class FSDPModule:
         state = self._get_shard_state()
         (state.ctx or state.lazy_init()).post_optim_event = event
 
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """Reduce zeros for trainable parameters that got no gradient, so ranks whose control flow used
+        different parameters (mixture of experts) still issue matching collectives."""
+        for state in self._states_below(recurse):
+            if state.group is not None:
+                state.group.reduce_unused_params = reduce_scatter_unused_params
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """How many gradient reductions may be in flight before backward waits for the oldest (default 1)."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}")
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
+        state = self._get_shard_state()
+        (state.ctx or state.lazy_init()).max_reduces_in_flight = max_input_buffers
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        """Reduce-scatter on a process group of its own, so it can progress while an all-gather runs.
+
+        Collective: every rank of the mesh must call it together.
+        """
+        created: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        for state in self._states_below(recurse):
+            group = state.group
+            if group is None or group.mesh_info.shard_group is None:
+                continue
+            if not enable:
+                group.reduce_scatter_group = None
+                continue
+            ranks = tuple(dist.get_process_group_ranks(group.mesh_info.shard_group))
+            if ranks not in created:
+                created[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+            group.reduce_scatter_group = created[ranks]
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Accepted for compatibility: fullshard's collectives always sum and scale separately."""
+
+    def set_custom_all_gather(self, comm: object) -> None:
+        """Not supported: fullshard all-gathers its flat shard buffers itself."""
+        raise NotImplementedError("set_custom_all_gather is not supported by fullshard")
+
+    def set_custom_reduce_scatter(self, comm: object) -> None:
+        """Not supported: fullshard reduce-scatters into its flat gradient buffers itself."""
+        raise NotImplementedError("set_custom_reduce_scatter is not supported by fullshard")
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Not supported: communication buffers come from the device's caching allocator."""
+        raise NotImplementedError("set_allocate_memory_from_process_group_for_comm is not supported by fullshard")
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        """Not supported: symmetric-memory collectives are not used."""
+        raise NotImplementedError("set_symm_mem_for_comm is not supported by fullshard")
+
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """All-gather these modules' groups when this module's forward starts (replaces the implicit next one)."""
         self._get_shard_state().forward_prefetch = _states_of(modules)
@@ -405,6 +459,15 @@ def _states_of(modules: list[FSDPModule]) -> list[ShardState]:
             raise ValueError(f"expected modules passed to fully_shard, got {type(mod).__name__}")
         states.append(state)
     return states
+
+
+def share_comm_ctx(modules: list[FSDPModule]) -> None:
+    """Make these modules (roots of separate models, e.g. in pipeline stages) share communication streams."""
+    states = _states_of(modules)
+    for state in states[1:]:
+        state.streams = states[0].streams
+        if state.group is not None:
+            state.group.streams = states[0].streams
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:

@@ -105,6 +105,8 @@ class ParamGroup:
         self.requires_all_reduce = True
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
         self._partial_grads: dict[ShardedParam, torch.Tensor] = {}  # HSDP: reduce-scattered, not yet all-reduced
+        self.reduce_unused_params = False  # reduce zeros for trainable parameters that got no gradient
+        self.reduce_scatter_group: dist.ProcessGroup | None = None  # a separate group, else the shard group
 
         with torch.no_grad():
             self.flat_shard = torch.empty(
@@ -267,6 +269,8 @@ class ParamGroup:
         grads: list[torch.Tensor | None] = []
         for p in self.params:
             grad = p.unsharded.grad if p.requires_grad else None
+            if grad is None and p.requires_grad and self.reduce_unused_params:
+                grad = torch.zeros(p.layout.shape, dtype=self.compute_dtype, device=self.device)
             if p.accumulated_grad is not None:
                 if grad is not None:
                     p.accumulated_grad.add_(grad)
@@ -298,7 +302,7 @@ class ParamGroup:
         before, _ = self._divide_factors()
         collective = reduce_scatter(
             grads, _pack_rank_major(layout, before), layout.shard_numel, self.reduce_dtype, self.device,
-            self.mesh_info.shard_group, self.streams, self.label,
+            self.reduce_scatter_group or self.mesh_info.shard_group, self.streams, self.label,
         )
         return PendingReduce(self, params, layout, collective)
 

@@ -214,6 +214,10 @@ class ShardState:
         ctx = IterationContext(states, self.streams)
         for state in states:
             state.ctx = ctx
+            # One pair of communication streams per root: more would only add synchronisation.
+            state.streams = self.streams
+            if state.group is not None:
+                state.group.streams = self.streams
             state.is_root = state is self
             if state.reshard_after_forward_arg is None:
                 # Like FSDP2: the root's parameters are needed first in backward, keep them.
