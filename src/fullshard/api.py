@@ -70,9 +70,16 @@ def fully_shard(
     flat shard buffer. The module's class becomes a subclass of
     :class:`FSDPModule`; the same module object is returned.
 
-    ``reshard_after_forward``: ``True`` frees the unsharded parameters after
-    forward and all-gathers them again in backward; ``False`` keeps them;
-    ``None`` means ``False`` for the root and ``True`` otherwise.
+    - ``mesh``: 1-D shards over all its ranks; 2-D (with ``mesh_dim_names``) is
+      ``(replicate, shard)``, i.e. HSDP; ``None`` is a 1-D mesh over the default
+      process group. ``dp_mesh_dims`` names the axes instead (replicate only: DDP).
+    - ``reshard_after_forward``: ``True`` frees the unsharded parameters after
+      forward and all-gathers them again in backward; ``False`` keeps them;
+      ``None`` means ``False`` for the root and ``True`` otherwise; an int ``k``
+      keeps a 1/k copy so backward all-gathers within ``k`` ranks.
+    - ``mp_policy`` / ``offload_policy``: see :class:`MixedPrecisionPolicy` and
+      :class:`CPUOffloadPolicy`.
+    - ``ignored_params``: left alone (not sharded, not reduced).
     """
     modules = _validate_modules(module)
     if not isinstance(reshard_after_forward, (bool, int, type(None))):
