@@ -28,6 +28,7 @@ from fullshard.policy import (
     validate_offload_policy,
 )
 from fullshard.runtime import ShardState, state_of
+from fullshard.state_dict import register_state_dict_hooks
 
 log = logging.getLogger("fullshard")
 
@@ -134,6 +135,7 @@ def fully_shard(
         group.label = type(modules[0]).__name__
         if post_forward_size is not None:
             group.set_post_forward_group(post_forward_group(mesh_info, post_forward_size))
+        register_state_dict_hooks(group)
     ShardState(tuple(modules), group, device, reshard_after_forward, mp_policy, streams)
     for mod in modules:
         _become_fsdp_module(mod)
@@ -193,8 +195,8 @@ def _managed_modules(modules: list[nn.Module]) -> list[tuple[str, nn.Module]]:
     return managed
 
 
-def _params_of_descendant_groups(modules: list[nn.Module]) -> dict[nn.Parameter, str]:
-    owned: dict[nn.Parameter, str] = {}
+def _params_of_descendant_groups(modules: list[nn.Module]) -> dict[torch.Tensor, str]:
+    owned: dict[torch.Tensor, str] = {}
     for top in modules:
         for name, mod in top.named_modules():
             state = state_of(mod)
@@ -216,11 +218,12 @@ def _check_params(params: list[nn.Parameter], fqns: dict[nn.Parameter, str], mes
             )
         if p.dim() == 0:
             raise ValueError(f"fully_shard doesn't support scalar parameters. Change {fqn} to a 1D tensor with numel equal to 1.")
-        if p.device.type == "meta":
-            raise NotImplementedError(
-                f"parameter {fqn!r} is on the meta device; meta-device initialisation is not supported yet"
-            )
-        check_param_device(fqn, p.device, device)
+        if p.device.type != "meta":
+            check_param_device(fqn, p.device, device)
+    devices = {p.device.type == "meta" for p in params}
+    if len(devices) > 1:
+        on_meta = [fqns[p] for p in params if p.device.type == "meta"]
+        raise ValueError(f"some parameters of one fully_shard group are on the meta device and some are not: {on_meta}")
     dtypes = {p.dtype for p in params}
     if len(dtypes) > 1:
         listing = ", ".join(f"{fqns[p]}: {p.dtype}" for p in params)
@@ -441,6 +444,16 @@ class FSDPModule:
         state = self._get_shard_state()
         if state.ctx is not None:
             state.ctx.recover()
+
+    def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> Any:
+        """``to()``, ``to_empty()``, ``float()``...: convert, then re-link the flat shard buffer (see ``ParamGroup.relink``)."""
+        state = self._get_shard_state()
+        if state.group is not None:
+            state.group.reshard()
+        result = super()._apply(fn, recurse)  # type: ignore[misc]
+        if state.group is not None:
+            state.group.relink()
+        return result
 
     def __deepcopy__(self, memo: dict[int, Any]) -> NoReturn:
         raise AssertionError("fullshard modules do not support deepcopy; save and load a state dict instead")

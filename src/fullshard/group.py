@@ -91,6 +91,7 @@ class ParamGroup:
         self.label = ""  # qualified module name, filled in at lazy init
         self.layout = GroupLayout(tuple(p.layout for p in params))
         orig_dtype = params[0].orig_dtype
+        self._policy_dtypes = (compute_dtype, reduce_dtype)
         self.compute_dtype = compute_dtype or orig_dtype
         self.reduce_dtype = reduce_dtype or self.compute_dtype
         self._grad_layouts: dict[tuple[bool, ...], GroupLayout] = {}
@@ -108,23 +109,81 @@ class ParamGroup:
         self.reduce_unused_params = False  # reduce zeros for trainable parameters that got no gradient
         self.reduce_scatter_group: dist.ProcessGroup | None = None  # a separate group, else the shard group
 
+        # Parameters on the meta device (deferred initialisation) get a meta flat shard
+        # buffer; `FSDPModule.to_empty()` / `_apply` re-link them to real memory.
+        on_meta = originals[0].device.type == "meta"
         with torch.no_grad():
             self.flat_shard = torch.empty(
-                self.layout.shard_numel, dtype=orig_dtype, device=self.shard_device, pin_memory=self.pin_memory
+                self.layout.shard_numel, dtype=orig_dtype, device="meta" if on_meta else self.shard_device,
+                pin_memory=self.pin_memory and not on_meta,
             )
             for p, original, chunk in zip(params, originals, self._split(self.flat_shard, self.layout)):
-                p.fill_shard(original.detach(), chunk)
+                if not on_meta:
+                    p.fill_shard(original.detach(), chunk)
                 p.bind_shard(chunk, requires_grad=original.requires_grad)
-            self.unsharded_buffer = torch.empty(self.layout.unsharded_numel, dtype=self.compute_dtype, device=device)
-            # The unsharded parameters view a `.data` alias: it shares the storage but
-            # not the version counter, so refilling the buffer in backward does not
-            # look like an in-place change of tensors autograd saved in forward.
-            alias = self.unsharded_buffer.data
-            for p, region in zip(params, self._split(alias, self.layout, unsharded=True)):
-                p.bind_unsharded(region)
-            self._free_unsharded()
+            self._bind_unsharded_buffer()
         self.state = ShardedState.SHARDED
         for p in params:
+            p.register(p.sharded)
+
+    def _bind_unsharded_buffer(self) -> None:
+        self.unsharded_buffer = torch.empty(self.layout.unsharded_numel, dtype=self.compute_dtype, device=self.device)
+        # The unsharded parameters view a `.data` alias: it shares the storage but
+        # not the version counter, so refilling the buffer in backward does not
+        # look like an in-place change of tensors autograd saved in forward.
+        alias = self.unsharded_buffer.data
+        for p, region in zip(self.params, self._split(alias, self.layout, unsharded=True)):
+            p.bind_unsharded(region)
+        self._free_unsharded()
+
+    @property
+    def on_meta(self) -> bool:
+        return self.flat_shard.device.type == "meta"
+
+    def check_materialized(self) -> None:
+        if self.on_meta:
+            names = ", ".join(p.fqn for p in self.params)
+            raise ValueError(
+                f"parameters of {self.label or 'the module'} are still on the meta device ({names}); call "
+                "model.to_empty(device=...) and initialise them (e.g. reset_parameters()) before the first forward"
+            )
+
+    @torch.no_grad()
+    def relink(self) -> None:
+        """Make the flat shard buffer the storage of the sharded parameters again.
+
+        ``module.to(...)``, ``to_empty(...)`` and ``load_state_dict(assign=True)``
+        give the sharded parameters new local tensors. Their values (new dtype or
+        device included) are copied into a new flat shard buffer, and each
+        parameter object is swapped in place onto a view of it, so optimizers and
+        user references keep working.
+        """
+        self.reshard()
+        locals_ = [p.sharded.to_local() for p in self.params]
+        chunks = self._split(self.flat_shard, self.layout)
+        if all(
+            loc.dtype == self.flat_shard.dtype and loc.device == self.flat_shard.device
+            and loc.untyped_storage().data_ptr() == self.flat_shard.untyped_storage().data_ptr()
+            and loc.storage_offset() == p.local_rows(chunk).storage_offset()
+            for p, loc, chunk in zip(self.params, locals_, chunks)
+        ):
+            return
+        dtype, device = locals_[0].dtype, locals_[0].device
+        pin = self.pin_memory and device.type == "cpu"
+        flat = torch.zeros(self.layout.shard_numel, dtype=dtype, device=device, pin_memory=pin)
+        for p, loc, chunk in zip(self.params, locals_, self._split(flat, self.layout)):
+            if device.type != "meta":
+                p.local_rows(chunk).copy_(loc)
+            replacement = torch.nn.Parameter(p.as_dtensor(chunk), requires_grad=p.sharded.requires_grad)
+            torch.utils.swap_tensors(p.sharded, replacement)
+        self.flat_shard = flat
+        self.shard_device = device if device.type != "meta" else self.shard_device
+        policy_compute, policy_reduce = self._policy_dtypes
+        self.compute_dtype = policy_compute or dtype
+        self.reduce_dtype = policy_reduce or self.compute_dtype
+        self._bind_unsharded_buffer()
+        for p in self.params:
+            p.orig_dtype = dtype
             p.register(p.sharded)
 
     @staticmethod
@@ -150,6 +209,7 @@ class ParamGroup:
     def unshard(self, async_op: bool = False) -> None:
         """Issue the all-gather (SHARDED[_POST_FORWARD] -> UNSHARDING); with ``async_op=False`` also wait."""
         if self.state is ShardedState.SHARDED:
+            self.check_materialized()
             self._pending_layout = self.layout
             self._pending_all_gather = all_gather(
                 self.flat_shard, self.compute_dtype, self.device, self.mesh_info.shard_group, self.streams, self.label

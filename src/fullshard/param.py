@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -56,7 +57,7 @@ class ShardedParam:
         self.original_ref = weakref.ref(original)
         # Unsharded gradients kept across no-sync backwards when the reduce dtype differs.
         self.accumulated_grad: torch.Tensor | None = None
-        self.sharded: nn.Parameter = original  # replaced by bind_shard
+        self.sharded: DTensor = cast(DTensor, original)  # replaced by bind_shard
         self.unsharded: nn.Parameter = original  # replaced by bind_unsharded
 
     @property
@@ -71,18 +72,20 @@ class ShardedParam:
 
     def fill_shard(self, original: torch.Tensor, padded_chunk: torch.Tensor) -> None:
         """Copy this rank's rows of ``original`` into its chunk, zeroing the padding."""
-        lay = self.layout
-        rank = self.mesh_info.shard_rank
-        rows = lay.rows_on(rank)
+        rows = self.layout.rows_on(self.mesh_info.shard_rank)
         padded_chunk.zero_()
         if rows:
-            src = original.narrow(lay.shard_dim, rank * lay.chunk_rows, rows)
-            self.local_rows(padded_chunk).copy_(src)
+            self.local_rows(padded_chunk).copy_(self.local_part(original))
 
     def as_dtensor(self, padded_chunk: torch.Tensor) -> DTensor:
+        """A DTensor whose local tensor views this rank's rows of ``padded_chunk``."""
+        return self.as_dtensor_of(self.local_rows(padded_chunk))
+
+    def as_dtensor_of(self, local: torch.Tensor) -> DTensor:
+        """A DTensor sharded like this parameter, with ``local`` (this rank's rows) as its local tensor."""
         lay = self.layout
         return DTensor.from_local(
-            self.local_rows(padded_chunk),
+            local,
             self.mesh_info.mesh,
             self.mesh_info.placements(lay.shard_dim),
             run_check=False,
@@ -92,7 +95,7 @@ class ShardedParam:
 
     def bind_shard(self, padded_chunk: torch.Tensor, requires_grad: bool) -> None:
         with torch.no_grad():
-            self.sharded = nn.Parameter(self.as_dtensor(padded_chunk), requires_grad=requires_grad)
+            self.sharded = cast(DTensor, nn.Parameter(self.as_dtensor(padded_chunk), requires_grad=requires_grad))
 
     def bind_unsharded(self, padded_full: torch.Tensor) -> None:
         """``padded_full``: this parameter's slice of the unsharded buffer."""
@@ -100,9 +103,27 @@ class ShardedParam:
         full = padded_full.view(lay.padded_shape).narrow(lay.shard_dim, 0, lay.dim_size)
         self.unsharded = nn.Parameter(full, requires_grad=self.requires_grad)
 
-    def register(self, param: nn.Parameter) -> None:
+    @torch.no_grad()
+    def adopt(self, value: torch.Tensor) -> None:
+        """Copy ``value`` (a DTensor of any placement, or the full tensor) into this rank's shard."""
+        if tuple(value.shape) != self.layout.shape:
+            raise ValueError(f"{self.fqn}: expected shape {self.layout.shape}, got {tuple(value.shape)}")
+        if isinstance(value, DTensor):
+            if value.placements == self.sharded.placements and value.device_mesh == self.sharded.device_mesh:
+                self.sharded.to_local().copy_(value.to_local())
+                return
+            value = value.full_tensor()
+        self.sharded.to_local().copy_(self.local_part(value))
+
+    def local_part(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a full tensor (no communication)."""
+        lay = self.layout
+        rank = self.mesh_info.shard_rank
+        return full.narrow(lay.shard_dim, min(rank * lay.chunk_rows, lay.dim_size), lay.rows_on(rank))
+
+    def register(self, param: torch.Tensor) -> None:
         for site in self.sites:
-            site.module._parameters[site.name] = param
+            site.module._parameters[site.name] = cast(nn.Parameter, param)
 
     def register_unsharded(self) -> None:
         if self.unsharded.requires_grad != self.requires_grad:

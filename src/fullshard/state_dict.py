@@ -1,0 +1,267 @@
+"""Model and optimizer state dicts: sharded DTensors by default, full (FQN-keyed) on request.
+
+[Note: State dict hooks]
+``model.state_dict()`` always holds the sharded ``DTensor`` parameters, also
+while a group is unsharded (e.g. the root after forward). ``load_state_dict``
+accepts, per parameter, a ``DTensor`` of any placement or the full tensor:
+before loading, the group is resharded and every value is turned into this
+rank's shard; after loading, a parameter that ``assign=True`` replaced is
+copied back into the flat shard buffer and the original parameter object is
+registered again, so optimizers keep pointing at the live parameters.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import OptimStateKeyType
+from torch.distributed.tensor import DTensor
+
+from fullshard.group import ParamGroup
+from fullshard.param import ShardedParam
+from fullshard.runtime import state_of
+
+
+def register_state_dict_hooks(group: ParamGroup) -> None:
+    """Register the hooks of [Note: State dict hooks] on every module holding a parameter of ``group``."""
+    by_module: dict[nn.Module, list[tuple[str, ShardedParam]]] = {}
+    for p in group.params:
+        for site in p.sites:
+            by_module.setdefault(site.module, []).append((site.name, p))
+    for module, entries in by_module.items():
+        module.register_state_dict_post_hook(_sharded_values(entries))
+        module.register_load_state_dict_pre_hook(_to_local_shards(group, entries))
+        module.register_load_state_dict_post_hook(_readopt(entries))
+
+
+def _sharded_values(entries: list[tuple[str, ShardedParam]]):  # type: ignore[no-untyped-def]
+    def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        for name, p in entries:
+            key = prefix + name
+            if key in state_dict and not isinstance(state_dict[key], DTensor):
+                state_dict[key] = p.sharded.detach()
+
+    return hook
+
+
+def _to_local_shards(group: ParamGroup, entries: list[tuple[str, ShardedParam]]):  # type: ignore[no-untyped-def]
+    def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        group.reshard()
+        for name, p in entries:
+            key = prefix + name
+            value = state_dict.get(key)
+            if not isinstance(value, torch.Tensor):
+                continue
+            if isinstance(value, DTensor) and value.placements == p.sharded.placements:
+                continue
+            if tuple(value.shape) != p.layout.shape:
+                continue  # load_state_dict reports the size mismatch itself
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            local = p.local_part(full).to(device=p.sharded.to_local().device)
+            state_dict[key] = p.as_dtensor_of(local)
+
+    return hook
+
+
+def _readopt(entries: list[tuple[str, ShardedParam]]):  # type: ignore[no-untyped-def]
+    def hook(module: nn.Module, incompatible_keys: Any) -> None:
+        for name, p in entries:
+            registered = module._parameters.get(name)
+            if registered is None or registered is p.sharded or registered is p.unsharded:
+                continue
+            p.adopt(registered)  # load_state_dict(assign=True) put a new tensor there
+            p.register(p.sharded)
+
+    return hook
+
+
+# ---- full state dicts -----------------------------------------------------------------------------
+
+
+def _gather(value: Any, cpu_offload: bool) -> Any:
+    if isinstance(value, DTensor):
+        value = value.full_tensor()
+    if isinstance(value, torch.Tensor) and cpu_offload:
+        value = value.cpu()
+    return value
+
+
+def full_state_dict(model: nn.Module, *, rank0_only: bool = True, cpu_offload: bool = True) -> dict[str, torch.Tensor]:
+    """The whole model's state as full tensors keyed by FQN: ``{}`` on ranks other than 0 when ``rank0_only``.
+
+    Collective: every rank must call it (each parameter is all-gathered in turn).
+    """
+    keep = not rank0_only or dist.get_rank() == 0
+    out: dict[str, torch.Tensor] = {}
+    for key, value in model.state_dict().items():
+        gathered = _gather(value, cpu_offload)
+        if keep:
+            out[key] = gathered
+    return out
+
+
+def _param_names(model: nn.Module) -> dict[nn.Parameter, str]:
+    return {p: name for name, p in model.named_parameters()}
+
+
+def _optim_params(optim: torch.optim.Optimizer) -> list[nn.Parameter]:
+    return [p for group in optim.param_groups for p in group["params"]]
+
+
+def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, *, rank0_only: bool = True) -> dict[str, Any]:
+    """``optim.state_dict()`` with full tensors and parameter FQNs in place of ids.
+
+    Tensor states shaped like their parameter are gathered to full shape;
+    other tensors (e.g. a 0-dim ``step``) and non-tensor states are carried as
+    they are. ``{}`` on ranks other than 0 when ``rank0_only``. Collective.
+    """
+    names = _param_names(model)
+    params = _optim_params(optim)
+    osd = optim.state_dict()
+    keep = not rank0_only or dist.get_rank() == 0
+    state: dict[str, dict[str, Any]] = {}
+    for index, param in enumerate(params):
+        param_state = osd["state"].get(index)
+        if param_state is None:
+            continue
+        gathered = {k: _gather(v, cpu_offload=True) for k, v in param_state.items()}
+        if keep:
+            state[names[param]] = gathered
+    if not keep:
+        return {}
+    groups = []
+    for group in osd["param_groups"]:
+        groups.append({**group, "params": [names[params[i]] for i in group["params"]]})
+    return {"state": state, "param_groups": groups}
+
+
+def load_full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, full_osd: dict[str, Any] | None) -> None:
+    """Load a state from :func:`full_optim_state_dict` into ``optim``, keeping only this rank's shards.
+
+    ``full_osd`` may be given on every rank, or on rank 0 only (``None`` elsewhere): rank 0 then
+    broadcasts the structure once and each full tensor in turn. Collective.
+    """
+    names = _param_names(model)
+    params = _optim_params(optim)
+    by_name = {names[p]: p for p in params}
+    managed: dict[torch.Tensor, ShardedParam] = {p.sharded: p for group in _groups_of(model) for p in group.params}
+    full_osd = _broadcast_from_rank0(full_osd, device=_comm_device())
+    unknown = sorted(set(full_osd["state"]) - set(by_name))
+    if unknown:
+        raise ValueError(f"optimizer state names parameters this optimizer does not have: {unknown}")
+    position = {name: i for i, name in enumerate(names[p] for p in params)}
+    state: dict[int, dict[str, Any]] = {}
+    for name, param_state in full_osd["state"].items():
+        param = by_name[name]
+        state[position[name]] = {k: _shard_like(managed.get(param), v) for k, v in param_state.items()}
+    groups = [{**g, "params": [position[n] for n in g["params"]]} for g in full_osd["param_groups"]]
+    optim.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _shard_like(sharded: ShardedParam | None, value: Any) -> Any:
+    """A full tensor shaped like a sharded parameter becomes a DTensor sharded like it."""
+    if sharded is None or not isinstance(value, torch.Tensor) or tuple(value.shape) != sharded.layout.shape:
+        return value
+    local = sharded.local_part(value).to(device=sharded.sharded.to_local().device)
+    return sharded.as_dtensor_of(local.clone())
+
+
+def _comm_device() -> torch.device:
+    if dist.get_backend() == dist.Backend.NCCL:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _broadcast_from_rank0(full_osd: dict[str, Any] | None, device: torch.device) -> dict[str, Any]:
+    """Every rank's copy of a state given on rank 0 (or on all ranks): structure by pickling, tensors by broadcast."""
+    have = torch.tensor([full_osd is not None], dtype=torch.int32, device=device)
+    dist.all_reduce(have)
+    if int(have.item()) == dist.get_world_size():
+        assert full_osd is not None
+        return full_osd
+    skeleton: list[Any] = [None]
+    tensors: list[torch.Tensor] = []
+    if dist.get_rank() == 0:
+        if full_osd is None:
+            raise ValueError("load_full_optim_state_dict: rank 0 must be given the full optimizer state dict")
+        skeleton[0] = _strip_tensors(full_osd, tensors)
+    dist.broadcast_object_list(skeleton, src=0)
+    return _fill_tensors(skeleton[0], tensors, device)
+
+
+class _TensorSlot:
+    def __init__(self, shape: torch.Size, dtype: torch.dtype) -> None:
+        self.shape, self.dtype = shape, dtype
+
+
+def _strip_tensors(tree: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(tree, dict):
+        return {k: _strip_tensors(v, tensors) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_strip_tensors(v, tensors) for v in tree]
+    if isinstance(tree, torch.Tensor):
+        tensors.append(tree)
+        return _TensorSlot(tree.shape, tree.dtype)
+    return copy.copy(tree)
+
+
+def _fill_tensors(tree: Any, tensors: list[torch.Tensor], device: torch.device) -> Any:
+    source = iter(tensors)
+
+    def fill(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: fill(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [fill(v) for v in node]
+        if isinstance(node, _TensorSlot):
+            buf = next(source).to(device) if dist.get_rank() == 0 else torch.empty(node.shape, dtype=node.dtype, device=device)
+            dist.broadcast(buf, src=0)
+            return buf.cpu()
+        return node
+
+    return fill(tree)
+
+
+def rekey_optim_state_dict(
+    osd: dict[str, Any], model: nn.Module, key_type: OptimStateKeyType, optim: torch.optim.Optimizer | None = None
+) -> dict[str, Any]:
+    """Convert an optimizer state dict between parameter ids (positions) and parameter names (FQNs).
+
+    Ids are positions in ``optim``'s parameter order when ``optim`` is given,
+    else in ``model.parameters()`` order: the order ``torch.optim`` uses for an
+    optimizer built on ``model.parameters()``.
+    """
+    if not isinstance(key_type, OptimStateKeyType):
+        raise TypeError(f"key_type must be an OptimStateKeyType, got {key_type!r}")
+    names = _param_names(model)
+    order = _optim_params(optim) if optim is not None else list(model.parameters())
+    id_to_name = {i: names[p] for i, p in enumerate(order)}
+    if key_type is OptimStateKeyType.PARAM_NAME:
+        mapping: dict[Any, Any] = id_to_name
+    else:
+        mapping = {name: i for i, name in id_to_name.items()}
+    try:
+        return {
+            **osd,
+            "state": {mapping[k]: v for k, v in osd["state"].items()},
+            "param_groups": [{**g, "params": [mapping[k] for k in g["params"]]} for g in osd["param_groups"]],
+        }
+    except KeyError as err:
+        expected = "id" if key_type is OptimStateKeyType.PARAM_NAME else "name"
+        raise ValueError(
+            f"optimizer state key {err.args[0]!r} is not a parameter {expected} of this model; "
+            "is the state dict already keyed that way?"
+        ) from None
+
+
+def _groups_of(model: nn.Module) -> list[ParamGroup]:
+    groups = []
+    for module in model.modules():
+        state = state_of(module)
+        if state is not None and state.group is not None and state.group not in groups:
+            groups.append(state.group)
+    return groups
