@@ -21,8 +21,16 @@ from torch.distributed.tensor import DTensor
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
 
+OptimFactory = Callable[[Any], torch.optim.Optimizer]
+
+
+def sgd_momentum(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
 @dataclass
 class Trace:
+    optim: torch.optim.Optimizer | None = None
     losses: list[Any] = field(default_factory=list)  # per step: 0-dim tensor (sharded) or list by rank (reference)
     grads: list[dict[str, torch.Tensor | None]] = field(default_factory=list)  # full gradients before each step
     params: dict[str, torch.Tensor] = field(default_factory=dict)  # full parameters after the last step
@@ -46,16 +54,17 @@ def train(
     loss_fn: LossFn,
     *,
     rank: int | None,
-    lr: float = 0.05,
     set_to_none: bool = True,
+    make_optim: OptimFactory = sgd_momentum,
+    optim: torch.optim.Optimizer | None = None,
 ) -> Trace:
-    """SGD with momentum over ``batches[step][rank]``.
+    """Train over ``batches[step][rank]`` (SGD with momentum unless ``make_optim`` / ``optim`` say otherwise).
 
     ``rank=None`` is the unsharded reference: each step it runs every rank's
     batch and back-propagates the mean of their losses.
     """
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    trace = Trace()
+    opt = optim if optim is not None else make_optim(model.parameters())
+    trace = Trace(optim=opt)
     for step_batches in batches:
         if rank is None:
             losses = [loss_fn(model, b) for b in step_batches]

@@ -83,8 +83,11 @@ def _readopt(entries: list[tuple[str, ShardedParam]]):  # type: ignore[no-untype
 
 
 def _gather(value: Any, cpu_offload: bool) -> Any:
+    """A full copy of ``value``: never an alias of live state (an optimizer's ``step`` is updated in place)."""
     if isinstance(value, DTensor):
         value = value.full_tensor()
+    elif isinstance(value, torch.Tensor):
+        value = value.detach().clone()
     if isinstance(value, torch.Tensor) and cpu_offload:
         value = value.cpu()
     return value
@@ -163,9 +166,11 @@ def load_full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, f
 
 
 def _shard_like(sharded: ShardedParam | None, value: Any) -> Any:
-    """A full tensor shaped like a sharded parameter becomes a DTensor sharded like it."""
-    if sharded is None or not isinstance(value, torch.Tensor) or tuple(value.shape) != sharded.layout.shape:
+    """A full tensor shaped like a sharded parameter becomes a DTensor sharded like it; other tensors are copied."""
+    if not isinstance(value, torch.Tensor):
         return value
+    if sharded is None or tuple(value.shape) != sharded.layout.shape:
+        return value.detach().clone()
     local = sharded.local_part(value).to(device=sharded.sharded.to_local().device)
     return sharded.as_dtensor_of(local.clone())
 

@@ -1,0 +1,7 @@
+"""``python -m fullshard``: the ``fullshard`` command."""
+
+import sys
+
+from fullshard.cli import main
+
+sys.exit(main())

@@ -1,0 +1,24 @@
+"""The ``fullshard`` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from fullshard.cli import convert
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fullshard", description="Fully sharded data parallel training for PyTorch.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    convert.add_commands(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"fullshard {args.command}: error: {err}", file=sys.stderr)
+        return 2

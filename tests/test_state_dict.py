@@ -1,0 +1,286 @@
+"""model.state_dict() / load_state_dict, full model and optimizer state, re-keying, meta-device init."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.tensor import DTensor
+
+from fullshard import (
+    OptimStateKeyType,
+    full_optim_state_dict,
+    full_state_dict,
+    load_full_optim_state_dict,
+    rekey_optim_state_dict,
+)
+from fullshard.runtime import state_of
+from tests.harness import run_ranks
+from tests.models import Transformer, lm_loss
+from tests.parity import assert_parity, full_params, random_batches, token_batch, train
+from tests.test_parity import shard_transformer
+
+
+def assert_linked(model: nn.Module) -> None:
+    """Every sharded parameter is still a view into its group's flat shard buffer."""
+    for module in model.modules():
+        state = state_of(module)
+        if state is None or state.group is None:
+            continue
+        flat = state.group.flat_shard
+        for p in state.group.params:
+            assert p.sharded.to_local().untyped_storage().data_ptr() == flat.untyped_storage().data_ptr(), p.fqn
+        for name, param in module.named_parameters(recurse=False):
+            assert isinstance(param, DTensor), name
+
+
+def build_pair() -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    ref = Transformer()
+    torch.manual_seed(0)
+    model = Transformer()
+    shard_transformer(model)
+    return ref, model
+
+
+def _state_dict_roundtrips(rank: int, world_size: int) -> None:
+    ref, model = build_pair()
+    batches = random_batches(4, world_size, token_batch)
+    assert_parity(train(ref, batches[:2], lm_loss, rank=None), train(model, batches[:2], lm_loss, rank=rank), rank)
+    model(batches[0][rank][:, :-1])  # the root stays unsharded after this forward
+    sd = model.state_dict()
+    assert list(sd) == list(ref.state_dict())
+    assert all(isinstance(v, DTensor) for v in sd.values())
+    model.zero_grad()
+
+    torch.manual_seed(1)
+    other = Transformer()
+    shard_transformer(other)
+    other.load_state_dict(sd)  # sharded DTensors, same placements
+    assert_linked(other)
+    torch.testing.assert_close(full_params(other), full_params(ref))
+
+    torch.manual_seed(2)
+    from_full = Transformer()
+    shard_transformer(from_full)
+    from_full.load_state_dict(ref.state_dict())  # plain full tensors
+    assert_linked(from_full)
+    torch.testing.assert_close(full_params(from_full), full_params(ref))
+
+    torch.manual_seed(3)
+    assigned = Transformer()
+    shard_transformer(assigned)
+    params_before = list(assigned.parameters())
+    assigned.load_state_dict(ref.state_dict(), assign=True)
+    assert_linked(assigned)
+    assert list(assigned.parameters()) == params_before  # the optimizer's objects stay the live ones
+    torch.testing.assert_close(full_params(assigned), full_params(ref))
+    assert_parity(train(ref, batches[2:], lm_loss, rank=None), train(assigned, batches[2:], lm_loss, rank=rank), rank)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_state_dict_and_load_state_dict(world_size: int) -> None:
+    run_ranks(world_size, _state_dict_roundtrips)
+
+
+def _to_dtype(rank: int, world_size: int) -> None:
+    ref, model = build_pair()
+    ref.double()
+    params_before = list(model.parameters())
+    model.double()
+    assert_linked(model)
+    assert list(model.parameters()) == params_before
+    assert all(p.dtype == torch.float64 for p in model.parameters())
+    batches = random_batches(2, world_size, token_batch)
+    assert_parity(train(ref, batches, lm_loss, rank=None), train(model, batches, lm_loss, rank=rank), rank)
+
+
+def test_module_to_keeps_flat_buffer_link() -> None:
+    run_ranks(2, _to_dtype)
+
+
+# ---- full optimizer state -------------------------------------------------------------------------
+
+
+class CountingSGD(torch.optim.SGD):
+    """SGD that also keeps a non-tensor state: how many steps each parameter took."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.state[p]["count"] = self.state[p].get("count", 0) + 1
+        return super().step(closure)
+
+
+def two_groups(kind: str, model: nn.Module) -> torch.optim.Optimizer:
+    decay = [p for n, p in model.named_parameters() if p.dim() > 1]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() <= 1]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 0.02}]
+    if kind == "sgd":
+        return torch.optim.SGD(groups, lr=0.05, momentum=0.9)
+    # eps well above fp noise: the attention key bias has a mathematically zero gradient,
+    # which Adam's normalisation would otherwise turn into noise-sized steps.
+    if kind == "adam":
+        return torch.optim.Adam(groups, lr=0.01, eps=1e-4)
+    if kind == "adamw":
+        return torch.optim.AdamW(groups, lr=0.01, eps=1e-4)
+    return CountingSGD(groups, lr=0.05, momentum=0.9)
+
+
+def frozen_transformer() -> nn.Module:
+    model = Transformer()
+    model.blocks[0].ln1.weight.requires_grad_(False)
+    return model
+
+
+def _full_optim_state(rank: int, world_size: int, kind: str) -> None:
+    torch.manual_seed(0)
+    ref = frozen_transformer()
+    torch.manual_seed(0)
+    model = frozen_transformer()
+    shard_transformer(model)
+    ref_opt, opt = two_groups(kind, ref), two_groups(kind, model)
+    batches = random_batches(4, world_size, token_batch)
+    assert_parity(train(ref, batches[:2], lm_loss, rank=None, optim=ref_opt),
+                  train(model, batches[:2], lm_loss, rank=rank, optim=opt), rank)
+
+    full = full_optim_state_dict(model, opt)
+    expected = rekey_optim_state_dict(ref_opt.state_dict(), ref, OptimStateKeyType.PARAM_NAME, ref_opt)
+    if rank != 0:
+        assert full == {}
+    else:
+        assert "blocks.0.ln1.weight" not in full["state"]  # frozen: no state
+        assert full["param_groups"] == expected["param_groups"]
+        assert full["state"].keys() == expected["state"].keys()
+        for name, states in expected["state"].items():
+            assert full["state"][name].keys() == states.keys(), name
+            for key, value in states.items():
+                got = full["state"][name][key]
+                if isinstance(value, torch.Tensor):
+                    assert not isinstance(got, DTensor) and got.device.type == "cpu"
+                    torch.testing.assert_close(got, value, msg=lambda m: f"{name}.{key}: {m}")
+                else:
+                    assert got == value, (name, key)
+    assert full_optim_state_dict(model, opt, rank0_only=False)["param_groups"] == expected["param_groups"]
+
+    # A fresh sharded model and optimizer, loaded from rank 0's full state, continue like the reference.
+    torch.manual_seed(5)
+    resumed = frozen_transformer()
+    shard_transformer(resumed)
+    resumed.load_state_dict(full_state_dict(model, rank0_only=False))
+    resumed_opt = two_groups(kind, resumed)
+    load_full_optim_state_dict(resumed, resumed_opt, full if rank == 0 else None)
+    assert_parity(train(ref, batches[2:], lm_loss, rank=None, optim=ref_opt),
+                  train(resumed, batches[2:], lm_loss, rank=rank, optim=resumed_opt), rank)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam", "adamw", "counting"])
+def test_full_optim_state_dict(kind: str) -> None:
+    run_ranks(2, _full_optim_state, kind)
+
+
+def _plain_to_sharded_and_back(rank: int, world_size: int) -> None:
+    """A checkpoint of a plain (unsharded) script loads into a sharded run, and the reverse."""
+    ref, model = build_pair()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, eps=1e-4)
+    batches = random_batches(4, world_size, token_batch)
+    train(ref, batches[:2], lm_loss, rank=None, optim=ref_opt)
+    plain_osd = ref_opt.state_dict()  # keyed by parameter ids, as torch.optim saves it
+    by_name = rekey_optim_state_dict(plain_osd, ref, OptimStateKeyType.PARAM_NAME)
+    model.load_state_dict(ref.state_dict())
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, eps=1e-4)
+    load_full_optim_state_dict(model, opt, by_name)
+    assert_parity(train(ref, batches[2:], lm_loss, rank=None, optim=ref_opt),
+                  train(model, batches[2:], lm_loss, rank=rank, optim=opt), rank)
+
+    back = rekey_optim_state_dict(full_optim_state_dict(model, opt, rank0_only=False), model, OptimStateKeyType.PARAM_ID)
+    torch.manual_seed(0)
+    plain = Transformer()
+    plain.load_state_dict(full_state_dict(model, rank0_only=False))
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=0.01, eps=1e-4)
+    plain_opt.load_state_dict(back)
+    torch.testing.assert_close(plain_opt.state_dict()["state"], ref_opt.state_dict()["state"])
+    with pytest.raises(ValueError, match="is not a parameter id of this model"):
+        rekey_optim_state_dict(by_name, ref, OptimStateKeyType.PARAM_NAME)
+
+
+def test_rekey_between_plain_and_sharded() -> None:
+    run_ranks(2, _plain_to_sharded_and_back)
+
+
+def _full_state_dict(rank: int, world_size: int) -> None:
+    ref, model = build_pair()
+    full = full_state_dict(model)
+    if rank == 0:
+        assert list(full) == list(ref.state_dict())
+        for key, value in ref.state_dict().items():
+            assert type(full[key]) is torch.Tensor and full[key].device.type == "cpu"
+            torch.testing.assert_close(full[key], value, rtol=0, atol=0)
+    else:
+        assert full == {}
+    everywhere = full_state_dict(model, rank0_only=False, cpu_offload=False)
+    assert list(everywhere) == list(ref.state_dict())
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_full_state_dict(world_size: int) -> None:
+    run_ranks(world_size, _full_state_dict)
+
+
+# ---- meta-device initialisation -------------------------------------------------------------------
+
+
+class DeterministicInit(Transformer):
+    """reset_parameters() fills every parameter from its name, so any sharding gives the same values."""
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            for i, (name, p) in enumerate(self.named_parameters()):
+                full = torch.sin(torch.arange(p.numel(), dtype=torch.float32) * 0.37 + i).view(p.shape) * 0.3
+                if isinstance(p, DTensor):
+                    p.copy_(torch.distributed.tensor.distribute_tensor(full, p.device_mesh, p.placements))
+                else:
+                    p.copy_(full)
+
+
+def _meta_init(rank: int, world_size: int) -> None:
+    ref = DeterministicInit()
+    ref.reset_parameters()
+    with torch.device("meta"):
+        model = DeterministicInit()
+    shard_transformer(model)
+    params_before = list(model.parameters())
+    model.to_empty(device="cpu")
+    model.reset_parameters()
+    assert list(model.parameters()) == params_before
+    assert_linked(model)
+    batches = random_batches(3, world_size, token_batch)
+    assert_parity(train(ref, batches, lm_loss, rank=None), train(model, batches, lm_loss, rank=rank), rank)
+
+    with torch.device("meta"):
+        never = Transformer()
+    shard_transformer(never)
+    with pytest.raises(ValueError, match=r"still on the meta device \(tok.weight, pos.weight, norm.weight"):
+        never(batches[0][rank][:, :-1])
+
+    # A full state dict on rank 0 only, broadcast into a meta-initialised sharded model.
+    with torch.device("meta"):
+        target = Transformer()
+    shard_transformer(target)
+    target.to_empty(device="cpu")
+    full = ref.state_dict() if rank == 0 else {}
+    set_model_state_dict(target, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    assert_linked(target)
+    torch.testing.assert_close(full_params(target), full_params(ref))
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_meta_device_init(world_size: int) -> None:
+    run_ranks(world_size, _meta_init)
+
+
