@@ -19,6 +19,7 @@ import faulthandler
 import multiprocessing as mp
 import multiprocessing.connection
 import os
+import pickle
 import signal
 import tempfile
 import time
@@ -58,9 +59,11 @@ def _rank_main(
             store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
             dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
             result = fn(rank, world_size, *args)
-            conn.send(("ok", result))
+            # Plain pickle copies tensors by value; multiprocessing's pickler would share
+            # their storage through file descriptors that die with this process.
+            conn.send_bytes(pickle.dumps(("ok", result)))
         except BaseException:  # report everything, including KeyboardInterrupt/SystemExit
-            conn.send(("error", traceback.format_exc()))
+            conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
@@ -101,7 +104,7 @@ def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: floa
             for conn in ready:
                 rank = next(r for r, c in open_conns.items() if c is conn)
                 try:
-                    status, payload = conn.recv()
+                    status, payload = pickle.loads(conn.recv_bytes())
                 except EOFError:
                     procs[rank].join(1.0)
                     status, payload = "error", f"rank {rank} exited without a result (exit code {procs[rank].exitcode})"

@@ -61,7 +61,7 @@ def save(state: dict[str, Any], path: str | os.PathLike[str]) -> Path:
         shutil.rmtree(partial, ignore_errors=True)
         path.parent.mkdir(parents=True, exist_ok=True)
     _barrier()
-    dcp.save(state, checkpoint_id=partial)
+    dcp.save(state, checkpoint_id=partial, no_dist=not dist.is_initialized())
     _barrier()
     if _rank() == 0:
         if path.exists():
@@ -92,7 +92,7 @@ def load(state: dict[str, Any], path: str | os.PathLike[str]) -> Path:
             f"checkpoint {found} does not match what is being loaded: "
             f"missing keys {_preview(missing)}, unexpected keys {_preview(unexpected)}"
         )
-    dcp.load(state, checkpoint_id=found)
+    dcp.load(state, checkpoint_id=found, no_dist=not dist.is_initialized())
     return found
 
 
