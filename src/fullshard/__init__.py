@@ -9,6 +9,16 @@ from torch.distributed.fsdp import DataParallelMeshDims
 from fullshard import checkpoint
 from fullshard.api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method, share_comm_ctx
 from fullshard.errors import AlreadyShardedError, UsageError
+from fullshard.fsdp1 import (
+    ReduceState,
+    bf16_compress_hook,
+    clip_grad_norm_,
+    fp16_compress_hook,
+    no_sync,
+    reduce_scatter_hook,
+    register_comm_hook,
+    summon_full_params,
+)
 from fullshard.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from fullshard.state_dict import (
     OptimStateKeyType,
@@ -17,23 +27,49 @@ from fullshard.state_dict import (
     load_full_optim_state_dict,
     rekey_optim_state_dict,
 )
+from fullshard.wrap import (
+    BackwardPrefetch,
+    CPUOffload,
+    CustomPolicy,
+    MixedPrecision,
+    ModuleWrapPolicy,
+    ShardingStrategy,
+    shard_model,
+    size_based_auto_wrap_policy,
+)
 
 __all__ = [
     "AlreadyShardedError",
+    "BackwardPrefetch",
+    "CPUOffload",
     "CPUOffloadPolicy",
+    "CustomPolicy",
     "DataParallelMeshDims",
     "FSDPModule",
+    "MixedPrecision",
     "MixedPrecisionPolicy",
-    "OptimStateKeyType",
+    "ModuleWrapPolicy",
     "OffloadPolicy",
+    "OptimStateKeyType",
+    "ReduceState",
+    "ShardingStrategy",
     "UnshardHandle",
     "UsageError",
+    "bf16_compress_hook",
     "checkpoint",
+    "clip_grad_norm_",
+    "fp16_compress_hook",
     "full_optim_state_dict",
     "full_state_dict",
     "fully_shard",
     "load_full_optim_state_dict",
-    "rekey_optim_state_dict",
+    "no_sync",
+    "reduce_scatter_hook",
+    "register_comm_hook",
     "register_fsdp_forward_method",
+    "rekey_optim_state_dict",
+    "shard_model",
     "share_comm_ctx",
+    "size_based_auto_wrap_policy",
+    "summon_full_params",
 ]

@@ -7,6 +7,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum, auto
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -108,6 +109,9 @@ class ParamGroup:
         self._partial_grads: dict[ShardedParam, torch.Tensor] = {}  # HSDP: reduce-scattered, not yet all-reduced
         self.reduce_unused_params = False  # reduce zeros for trainable parameters that got no gradient
         self.reduce_scatter_group: dist.ProcessGroup | None = None  # a separate group, else the shard group
+        # register_comm_hook: (state, hook(state, grad, output)) reducing in place of the reduce-scatter.
+        self.comm_hook: tuple[Any, Callable[[Any, torch.Tensor, torch.Tensor], None]] | None = None
+        self.summoned = False  # inside summon_full_params
 
         # Parameters on the meta device (deferred initialisation) get a meta flat shard
         # buffer; `FSDPModule.to_empty()` / `_apply` re-link them to real memory.
@@ -341,9 +345,11 @@ class ParamGroup:
         return grads
 
     def _divide_factors(self) -> tuple[float, float]:
-        """(before, after) the reduction; fp16 splits the division so the sum cannot overflow."""
+        """(before, after) the reduction; fp16/bf16 split the division so the sum stays in range."""
+        if self.comm_hook is not None:
+            return 1.0, 1.0  # the hook averages
         total = self.divide_factor if self.divide_factor is not None else float(self.mesh_info.data_parallel_size)
-        if self.reduce_dtype == torch.float16:
+        if self.reduce_dtype in (torch.float16, torch.bfloat16):
             before = math.sqrt(total)
             return before, total / before
         return 1.0, total
@@ -360,8 +366,16 @@ class ParamGroup:
         params = [p for p, keep in zip(self.params, with_grad) if keep]
         grads = [g for g in taken if g is not None]
         before, _ = self._divide_factors()
+        pack = _pack_rank_major(layout, before)
+        if self.comm_hook is not None:
+            hook_state, hook = self.comm_hook
+            packed = torch.empty(layout.world_size, layout.shard_numel, dtype=self.reduce_dtype, device=self.device)
+            pack(grads, packed)
+            output = torch.empty(layout.shard_numel, dtype=self.reduce_dtype, device=self.device)
+            hook(hook_state, packed.view(-1), output)
+            return PendingReduce(self, params, layout, PendingCollective(None, output, ()))
         collective = reduce_scatter(
-            grads, _pack_rank_major(layout, before), layout.shard_numel, self.reduce_dtype, self.device,
+            grads, pack, layout.shard_numel, self.reduce_dtype, self.device,
             self.reduce_scatter_group or self.mesh_info.shard_group, self.streams, self.label,
         )
         return PendingReduce(self, params, layout, collective)

@@ -46,6 +46,14 @@ log = logging.getLogger("fullshard")
 STATE_KEY = "_fullshard_state"
 
 
+class BackwardPrefetchMode(Enum):
+    """When backward all-gathers the group that runs next in backward (FSDP1's ``BackwardPrefetch``)."""
+
+    PRE = auto()  # in this group's pre-backward, before its gradients are computed
+    POST = auto()  # in this group's post-backward, after its gradients are computed
+    NONE = auto()  # no implicit backward prefetch
+
+
 class TrainingState(Enum):
     """What a state's hooks are in the middle of."""
 
@@ -78,16 +86,27 @@ class IterationContext:
         self.max_reduces_in_flight = 1
         self.is_last_backward = True  # False: leave reductions in flight past this backward (micro-batching)
         self.post_optim_event: torch.Event | None = None
+        # Implicit prefetch: how many groups ahead, and when in backward.
+        self.forward_prefetch_depth = 1
+        self.backward_prefetch_depth = 1
+        self.backward_prefetch_mode = BackwardPrefetchMode.PRE
 
     def record_forward(self, state: ShardState) -> None:
         if not self.order_frozen and state not in self.forward_order:
             self.forward_order.append(state)
 
-    def neighbour(self, state: ShardState, step: int) -> ShardState | None:
+    def neighbours(self, state: ShardState, step: int, depth: int) -> list[ShardState]:
+        """Up to ``depth`` states after (``step=+1``) or before (``-1``) ``state`` in the recorded forward order."""
         if state not in self.forward_order:
-            return None
-        index = self.forward_order.index(state) + step
-        return self.forward_order[index] if 0 <= index < len(self.forward_order) else None
+            return []
+        index = self.forward_order.index(state)
+        picked = []
+        for i in range(1, depth + 1):
+            j = index + step * i
+            if not 0 <= j < len(self.forward_order):
+                break
+            picked.append(self.forward_order[j])
+        return picked
 
     def queue_end_of_backward(self) -> None:
         if not self.end_of_backward_queued:
@@ -109,7 +128,7 @@ class IterationContext:
                     state.training_state is TrainingState.PRE_BACKWARD
                     or (group.state is not ShardedState.SHARDED and state.reshard_after_backward)
                 ):
-                    state.post_backward()
+                    state.post_backward(in_backward_pass=False)
                 state.training_state = TrainingState.IDLE
             if self.is_last_backward:
                 while self.pending_reduces:
@@ -252,9 +271,8 @@ class ShardState:
                 self.group.unshard(async_op=True)
                 targets = self.forward_prefetch
                 if targets is None and self.ctx.order_frozen:
-                    nxt = self.ctx.neighbour(self, +1)
-                    targets = [nxt] if nxt is not None else []
-                self._prefetch(targets or [])
+                    targets = self.ctx.neighbours(self, +1, self.ctx.forward_prefetch_depth)
+                self._prefetch(targets or [], backward=False)
                 self.group.wait_for_unshard()
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
             args, kwargs = _cast_floats((args, kwargs), self.mp_policy.param_dtype)
@@ -280,8 +298,7 @@ class ShardState:
                 self.ctx.reshard_all()
         return output
 
-    def _prefetch(self, targets: list[ShardState]) -> None:
-        backward = self.training_state is TrainingState.PRE_BACKWARD
+    def _prefetch(self, targets: list[ShardState], backward: bool) -> None:
         for target in targets:
             if backward and not target.unshard_in_backward:
                 continue
@@ -321,15 +338,24 @@ class ShardState:
             return
         with record_function(f"fullshard::pre_backward {self.label}"):
             self.group.unshard(async_op=True)
-            targets = self.backward_prefetch
-            if targets is None:
-                prev = self.ctx.neighbour(self, -1)
-                targets = [prev] if prev is not None else []
-            self._prefetch(targets)
+            self._prefetch(self._backward_targets(BackwardPrefetchMode.PRE), backward=True)
             self.group.wait_for_unshard()
 
-    def post_backward(self) -> None:
-        """Reshard and issue the reduce-scatter of this group's gradients."""
+    def _backward_targets(self, mode: BackwardPrefetchMode) -> list[ShardState]:
+        """The groups to all-gather at this point (``mode``) of this group's backward."""
+        assert self.ctx is not None
+        if self.backward_prefetch is not None:  # explicit: always before this group's gradients
+            return self.backward_prefetch if mode is BackwardPrefetchMode.PRE else []
+        if mode is not self.ctx.backward_prefetch_mode:
+            return []
+        return self.ctx.neighbours(self, -1, self.ctx.backward_prefetch_depth)
+
+    def post_backward(self, in_backward_pass: bool = True) -> None:
+        """Reshard and issue the reduce-scatter of this group's gradients.
+
+        ``in_backward_pass=False`` (the end-of-backward callback) skips prefetching:
+        no group runs after it.
+        """
         assert self.ctx is not None
         self.ctx.queue_end_of_backward()
         if self.group is None:
@@ -339,6 +365,8 @@ class ShardState:
         with record_function(f"fullshard::post_backward {self.label}"):
             if self.reshard_after_backward:
                 self.group.reshard()
+            if in_backward_pass:
+                self._prefetch(self._backward_targets(BackwardPrefetchMode.POST), backward=True)
             if self.requires_gradient_sync:
                 pending = self.group.reduce_grads()
                 if pending is not None:

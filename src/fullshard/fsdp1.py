@@ -1,0 +1,228 @@
+"""FSDP1's conveniences over the engine: full parameters on demand, no-sync, gradient clipping, reduction hooks."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from fullshard.group import ParamGroup
+from fullshard.runtime import ShardState, TrainingState, state_of
+
+
+def _states(model: nn.Module) -> list[ShardState]:
+    states: list[ShardState] = []
+    for module in model.modules():
+        state = state_of(module)
+        if state is not None and state not in states:
+            states.append(state)
+    return states
+
+
+def _groups(model: nn.Module) -> list[ParamGroup]:
+    return [s.group for s in _states(model) if s.group is not None]
+
+
+# ---- summon_full_params --------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def summon_full_params(
+    model: nn.Module,
+    writeback: bool = True,
+    rank0_only: bool = False,
+    offload_to_cpu: bool = False,
+    with_grads: bool = False,
+) -> Iterator[None]:
+    """Inside the context every parameter of ``model`` is its full (unsharded) tensor.
+
+    - ``writeback``: changes made inside are copied back into the shards on exit
+      (each rank keeps its own rows of its own full copy); otherwise they are dropped.
+    - ``rank0_only``: only rank 0 sees full parameters; the other ranks keep their
+      sharded ones. Cannot be combined with ``writeback``.
+    - ``offload_to_cpu``: the full parameters are CPU copies (device memory stays free).
+    - ``with_grads``: each full parameter's ``.grad`` is the full gradient.
+
+    Collective: every rank must enter it. Not allowed inside forward or backward.
+    """
+    if rank0_only and writeback:
+        raise ValueError(
+            "summon_full_params: rank0_only=True and writeback=True cannot be combined (ranks other than 0 "
+            "have no full parameters to write back); pass writeback=False"
+        )
+    states = _states(model)
+    busy = [s.label for s in states if s.training_state is not TrainingState.IDLE]
+    if busy or any(s.ctx is not None and s.ctx.end_of_backward_queued for s in states):
+        raise ValueError(f"summon_full_params cannot run inside forward or backward (busy: {busy or 'backward'})")
+    groups = [s.group for s in states if s.group is not None]
+    if any(g.summoned for g in groups):
+        raise ValueError("summon_full_params cannot be nested")
+    keep_full = not rank0_only or dist.get_rank() == 0
+    for group in groups:
+        group.unshard()
+        group.summoned = True
+    try:
+        for group in groups:
+            for p in group.params:
+                full = p.unsharded
+                if with_grads and p.sharded.grad is not None:
+                    grad = p.sharded.grad
+                    full.grad = grad.full_tensor() if isinstance(grad, DTensor) else grad
+                if offload_to_cpu and keep_full:
+                    copy = nn.Parameter(full.detach().cpu(), requires_grad=full.requires_grad)
+                    copy.grad = None if full.grad is None else full.grad.cpu()
+                    p.register(copy)
+            if not keep_full:
+                group.reshard()
+        yield
+    finally:
+        for group in groups:
+            if writeback:
+                for p in group.params:
+                    site = p.sites[0]
+                    current = site.module._parameters[site.name]
+                    if current is not None:
+                        p.adopt(current.detach())
+            for p in group.params:
+                p.unsharded.grad = None
+            group.reshard()
+            group.summoned = False
+
+
+# ---- no_sync -------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module) -> Iterator[None]:
+    """Backward passes inside accumulate unsharded gradients without communication.
+
+    The same as ``set_requires_gradient_sync(False)`` for the duration; the
+    first backward after the context reduces everything accumulated.
+    """
+    states = _states(model)
+    saved = [(s.requires_gradient_sync, s.group.requires_all_reduce if s.group else True) for s in states]
+    for state in states:
+        state.requires_gradient_sync = False
+        if state.group is not None:
+            state.group.requires_all_reduce = False
+    try:
+        yield
+    finally:
+        for state, (sync, all_reduce) in zip(states, saved):
+            state.requires_gradient_sync = sync
+            if state.group is not None:
+                state.group.requires_all_reduce = all_reduce
+
+
+# ---- clip_grad_norm_ -----------------------------------------------------------------------------------
+
+
+def _shard_group(grad: DTensor) -> dist.ProcessGroup | None:
+    """The group over which ``grad``'s local pieces are disjoint (its Shard axis); None if fully replicated."""
+    axes = [i for i, placement in enumerate(grad.placements) if isinstance(placement, Shard)]
+    if len(axes) > 1:
+        raise NotImplementedError(f"clip_grad_norm_: gradients sharded over several mesh axes {grad.placements}")
+    return grad.device_mesh.get_group(axes[0]) if axes else None
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip the gradients of ``model`` so their total ``norm_type`` norm is at most ``max_norm``.
+
+    Returns the total norm before clipping, as a 0-dim fp32 tensor, identical on
+    every rank and equal to the unsharded model's. Parameters without a gradient
+    (frozen ones) are skipped; replicated gradients are counted once.
+    """
+    norm_type = float(norm_type)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    infinite = math.isinf(norm_type)
+    parts: dict[dist.ProcessGroup | None, torch.Tensor] = {}
+    device = torch.device("cpu")
+    for grad in grads:
+        local, group = (grad.to_local(), _shard_group(grad)) if isinstance(grad, DTensor) else (grad, None)
+        device = local.device
+        value = local.detach().float().abs()
+        if not infinite:
+            part = value.pow(norm_type).sum()
+        else:
+            part = value.max() if value.numel() else value.new_zeros(())
+        if group in parts:
+            parts[group] = torch.maximum(parts[group], part) if infinite else parts[group] + part
+        else:
+            parts[group] = part
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for group, part in parts.items():
+        if group is not None:
+            dist.all_reduce(part, op=dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM, group=group)
+        total = torch.maximum(total, part) if infinite else total + part
+    if not infinite:
+        total = total.pow(1.0 / norm_type)
+    coef = max_norm / (total + 1e-6)
+    if coef < 1.0:
+        for grad in grads:
+            (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(coef.to(grad.dtype))
+    return total
+
+
+# ---- gradient reduction hooks ----------------------------------------------------------------------
+
+
+def _divide_factors(world_size: int) -> tuple[float, float]:
+    """(before, after): powers of two splitting ``world_size`` so low-precision sums stay in range."""
+    before = 1.0
+    while world_size % (before * 2) == 0 and world_size / (before * 2) >= before * 2:
+        before *= 2
+    return before, world_size / before
+
+
+@dataclass
+class ReduceState:
+    """What the standard hooks need: the group to reduce over and how to split the averaging division."""
+
+    process_group: dist.ProcessGroup
+    divide_before: float = field(init=False)
+    divide_after: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.divide_before, self.divide_after = _divide_factors(dist.get_world_size(self.process_group))
+
+
+def _reduce_scatter_in(dtype: torch.dtype | None) -> Callable[[ReduceState, torch.Tensor, torch.Tensor], None]:
+    def hook(state: ReduceState, grad: torch.Tensor, output: torch.Tensor) -> None:
+        send = grad if dtype is None else grad.to(dtype)
+        send.div_(state.divide_before)
+        recv = output if dtype is None else torch.empty_like(output, dtype=dtype)
+        dist.reduce_scatter_tensor(recv, send, group=state.process_group)
+        recv.div_(state.divide_after)
+        if recv is not output:
+            output.copy_(recv)
+
+    return hook
+
+
+reduce_scatter_hook = _reduce_scatter_in(None)
+reduce_scatter_hook.__doc__ = "Average the gradients with one reduce-scatter in their own dtype."
+fp16_compress_hook = _reduce_scatter_in(torch.float16)
+fp16_compress_hook.__doc__ = "Average the gradients in fp16 (half the bytes), dividing before and after the sum."
+bf16_compress_hook = _reduce_scatter_in(torch.bfloat16)
+bf16_compress_hook.__doc__ = "Average the gradients in bf16 (half the bytes), dividing before and after the sum."
+
+
+def register_comm_hook(model: nn.Module, state: Any, hook: Callable[[Any, torch.Tensor, torch.Tensor], None]) -> None:
+    """Reduce every group's gradients with ``hook(state, grad, output)`` instead of the built-in reduce-scatter.
+
+    ``grad`` is the group's padded gradient, rank-major (rank r's rows first for
+    r = 0, 1, ...); the hook writes this rank's *averaged* rows into ``output``.
+    FSDP1's hooks (``torch.distributed.algorithms._comm_hooks.default_hooks``)
+    follow the same convention, so they work too. Not supported with HSDP.
+    """
+    for group in _groups(model):
+        if group.mesh_info.replicate_group is not None:
+            raise NotImplementedError("register_comm_hook is not supported with HSDP (2-D meshes)")
+        group.comm_hook = (state, hook)
