@@ -79,7 +79,7 @@ def _is_container(module: nn.Module) -> bool:
 def _modules_to_shard(root: nn.Module, policy: PolicyFn | None, ignored: set[nn.Module]) -> list[tuple[str, nn.Module]]:
     """Post-order: every module the policy wraps, children first (FSDP1's recursion protocol)."""
     chosen: list[tuple[str, nn.Module]] = []
-    taken: set[nn.Parameter] = set()
+    taken: dict[nn.Parameter, str] = {}  # parameter -> the picked module that takes it
     ignored_params = {p for m in ignored for p in m.parameters()}
 
     def unwrapped_numel(module: nn.Module) -> int:
@@ -97,15 +97,28 @@ def _modules_to_shard(root: nn.Module, policy: PolicyFn | None, ignored: set[nn.
         numel = unwrapped_numel(module)
         if policy(module=module, recurse=False, nonwrapped_numel=numel):
             if numel == 0:
-                raise ValueError(
-                    f"auto_wrap_policy picked module {name!r} ({type(module).__name__}), which would shard nothing: "
-                    "it has no parameters that are not ignored or already taken by a sharded submodule"
-                )
+                _explain_empty_pick(name, module, taken)
             chosen.append((name, module))
-            taken.update(module.parameters())
+            taken.update({p: name for p in module.parameters() if p not in taken})
 
     visit("", root)
     return chosen
+
+
+def _explain_empty_pick(name: str, module: nn.Module, taken: dict[nn.Parameter, str]) -> None:
+    """Raise for a picked module with nothing left to shard, naming a shared parameter if that is why."""
+    for param_name, param in module.named_parameters():
+        owner = taken.get(param)
+        if owner is not None and not owner.startswith(f"{name}."):
+            raise ValueError(
+                f"auto_wrap_policy picked module {name!r}, whose parameter {name}.{param_name} is shared with "
+                f"module {owner!r}, also picked: a parameter can be sharded only once; shard the modules that "
+                "share it together (e.g. leave both to their common parent)"
+            )
+    raise ValueError(
+        f"auto_wrap_policy picked module {name!r} ({type(module).__name__}), which would shard nothing: "
+        "it has no parameters that are not ignored or already taken by a sharded submodule"
+    )
 
 
 def _hybrid_mesh(device_mesh: DeviceMesh | None) -> DeviceMesh:
@@ -188,7 +201,8 @@ def shard_model(
     ignored = set(ignored_modules or ())
     for name, module in model.named_modules():
         if state_of(module) is not None:
-            raise ValueError(f"shard_model: module {name or type(model).__name__!r} is already sharded")
+            label = name or type(model).__mro__[2].__name__  # FSDP<Class> -> Class
+            raise ValueError(f"shard_model: module {label!r} is already sharded; shard a model once")
     mesh_kwargs, reshard = _mesh_and_resharding(sharding_strategy, device_mesh)
     common: dict[str, Any] = {
         **mesh_kwargs,
