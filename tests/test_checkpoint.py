@@ -117,9 +117,8 @@ def test_consolidate_and_shard_commands(tmp_path: Path) -> None:
 
     missing = run_cli("consolidate", str(tmp_path / "nope"), str(tmp_path / "x.pt"))
     assert missing.returncode == 2
-    assert missing.stderr.strip().splitlines() == [
-        f"fullshard consolidate: error: no complete checkpoint at {tmp_path / 'nope'} (a checkpoint directory holds a .metadata file)"
-    ]
+    expected = f"fullshard consolidate: error: no complete checkpoint at {tmp_path / 'nope'}"
+    assert missing.stderr.strip().splitlines() == [f"{expected} (a checkpoint directory holds a .metadata file)"]
 
 
 # ---- safety ----------------------------------------------------------------------------------------
