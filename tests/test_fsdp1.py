@@ -1,0 +1,209 @@
+"""FSDP1 conveniences: summon_full_params, no_sync, clip_grad_norm_, gradient-reduction hooks."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms._comm_hooks import default_hooks
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import DataParallelMeshDims
+from torch.distributed.tensor import DTensor
+
+from fullshard import (
+    FSDPModule,
+    ReduceState,
+    bf16_compress_hook,
+    clip_grad_norm_,
+    fp16_compress_hook,
+    fully_shard,
+    no_sync,
+    reduce_scatter_hook,
+    register_comm_hook,
+    summon_full_params,
+)
+from tests.harness import run_ranks
+from tests.models import Transformer, lm_loss
+from tests.parity import assert_parity, full_grads, full_params, random_batches, run_parity, token_batch, train
+from tests.test_parity import shard_transformer
+from tests.test_state_dict import assert_linked, build_pair
+
+# ---- summon_full_params --------------------------------------------------------------------------
+
+
+def _summon(rank: int, world_size: int) -> None:
+    ref, model = build_pair()
+    batches = random_batches(4, world_size, token_batch)
+    assert_parity(train(ref, batches[:1], lm_loss, rank=None), train(model, batches[:1], lm_loss, rank=rank), rank)
+    expected = full_params(ref)
+
+    with summon_full_params(model):
+        for name, p in model.named_parameters():
+            assert type(p) is nn.Parameter, name
+            torch.testing.assert_close(p.detach(), expected[name])
+        with torch.no_grad():
+            model.blocks[0].mlp[0].weight.mul_(0.5)  # persists: writeback=True
+    with torch.no_grad():
+        ref.blocks[0].mlp[0].weight.mul_(0.5)
+    assert_linked(model)
+    torch.testing.assert_close(full_params(model), full_params(ref))
+
+    with summon_full_params(model, writeback=False):
+        with torch.no_grad():
+            model.blocks[1].attn.proj.weight.zero_()  # dropped on exit
+    torch.testing.assert_close(full_params(model), full_params(ref))
+
+    with summon_full_params(model, writeback=False, rank0_only=True):
+        kinds = {type(p) for p in model.parameters()}
+        assert kinds == ({nn.Parameter} if rank == 0 else {DTensor}), kinds
+
+    with summon_full_params(model, offload_to_cpu=True):
+        assert all(p.device.type == "cpu" and type(p) is nn.Parameter for p in model.parameters())
+
+    lm_loss(model, batches[1][rank]).backward()
+    (sum(lm_loss(ref, b) for b in batches[1]) / world_size).backward()
+    with summon_full_params(model, writeback=False, with_grads=True):
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, ref.get_parameter(name).grad, msg=lambda m: f"{name}: {m}")
+    model.zero_grad()
+    ref.zero_grad()
+
+    with pytest.raises(ValueError, match="rank0_only=True and writeback=True cannot be combined"):
+        with summon_full_params(model, rank0_only=True):
+            pass
+    with pytest.raises(ValueError, match="cannot be nested"):
+        with summon_full_params(model), summon_full_params(model.blocks[0]):
+            pass
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    assert_parity(train(ref, batches[2:], lm_loss, rank=None), train(model, batches[2:], lm_loss, rank=rank), rank)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_summon_full_params(world_size: int) -> None:
+    run_ranks(world_size, _summon)
+
+
+# ---- no_sync --------------------------------------------------------------------------------------------
+
+
+def micro_batches_no_sync(world_size: int, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    if not isinstance(model, FSDPModule):
+        (lm_loss(model, tokens[:2]) / world_size).backward()
+        return lm_loss(model, tokens[2:])
+    with no_sync(model):
+        lm_loss(model, tokens[:2]).backward()
+        assert all(p.grad is None for p in model.parameters())
+    return lm_loss(model, tokens[2:])
+
+
+def _no_sync(rank: int, world_size: int) -> None:
+    _, model = run_parity(rank, world_size, Transformer, shard_transformer, token_batch,
+                          functools.partial(micro_batches_no_sync, world_size), steps=3)
+    with pytest.raises(RuntimeError, match="inside"):
+        with no_sync(model):
+            raise RuntimeError("inside")
+    from fullshard.runtime import state_of
+
+    assert all(state_of(m).requires_gradient_sync for m in (model, *model.blocks))  # restored by finally
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_no_sync(world_size: int) -> None:
+    run_ranks(world_size, _no_sync)
+
+
+# ---- clip_grad_norm_ -----------------------------------------------------------------------------------
+
+
+def shard_mixed_placements(model: nn.Module) -> None:
+    """Block 0 replicated (like DDP), block 1 and the root sharded; one frozen parameter."""
+    model.blocks[1].ln2.weight.requires_grad_(False)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+    fully_shard(model.blocks[0], mesh=mesh, dp_mesh_dims=DataParallelMeshDims(replicate="dp"))
+    fully_shard(model.blocks[1], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def _clip(rank: int, world_size: int, norm_type: float, max_norm: float) -> None:
+    torch.manual_seed(0)
+    ref = Transformer()
+    ref.blocks[1].ln2.weight.requires_grad_(False)
+    torch.manual_seed(0)
+    model = Transformer()
+    shard_mixed_placements(model)
+    batches = random_batches(2, world_size, token_batch)
+    for step_batches in batches:
+        (sum(lm_loss(ref, b) for b in step_batches) / world_size).backward()
+        lm_loss(model, step_batches[rank]).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm, norm_type)
+        norm = clip_grad_norm_(model, max_norm, norm_type)
+        assert type(norm) is torch.Tensor and norm.dim() == 0 and norm.dtype == torch.float32
+        torch.testing.assert_close(norm, ref_norm.float())
+        gathered = [torch.zeros(()) for _ in range(world_size)]
+        dist.all_gather(gathered, norm)
+        assert all(torch.equal(g, norm) for g in gathered)  # identical on every rank
+        grads, ref_grads = full_grads(model), full_grads(ref)
+        assert grads["blocks.1.ln2.weight"] is None
+        for name, ref_grad in ref_grads.items():
+            if ref_grad is not None:
+                torch.testing.assert_close(grads[name], ref_grad, msg=lambda m: f"{name}: {m}")
+        model.zero_grad()
+        ref.zero_grad()
+
+
+@pytest.mark.parametrize(("norm_type", "max_norm"), [(2.0, 0.5), (math.inf, 0.05), (1.0, 1e6)], ids=["l2", "inf", "l1_no_clip"])
+def test_clip_grad_norm(norm_type: float, max_norm: float) -> None:
+    run_ranks(2, _clip, norm_type, max_norm)
+
+
+# ---- reduction hooks -----------------------------------------------------------------------------------
+
+
+def shard_with_hook(hook_name: str, model: nn.Module) -> None:
+    shard_transformer(model)
+    group = dist.group.WORLD
+    if hook_name == "torch_fsdp1_default":
+        register_comm_hook(model, default_hooks.DefaultState(group), default_hooks.reduce_scatter_hook)
+    else:
+        hook = {"reduce_scatter": reduce_scatter_hook, "fp16": fp16_compress_hook, "bf16": bf16_compress_hook}[hook_name]
+        register_comm_hook(model, ReduceState(group), hook)
+
+
+def _hooks(rank: int, world_size: int, hook_name: str) -> None:
+    low = hook_name in ("fp16", "bf16")
+    tol = {"rtol": 2e-2, "atol": 2e-3} if low else {}
+    run_parity(rank, world_size, Transformer, functools.partial(shard_with_hook, hook_name), token_batch, lm_loss,
+               steps=3, **tol)
+    assert ReduceState(dist.group.WORLD).divide_before * ReduceState(dist.group.WORLD).divide_after == world_size
+
+
+@pytest.mark.parametrize("hook_name", ["reduce_scatter", "fp16", "bf16", "torch_fsdp1_default"])
+def test_comm_hooks(hook_name: str) -> None:
+    run_ranks(4, _hooks, hook_name)
+
+
+def _hook_sees_rank_major_gradients(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(3, 5, bias=False)  # 5 rows over 2 ranks: chunks of 3, one row of padding
+    fully_shard(model)
+    seen: list[torch.Tensor] = []
+
+    def spy(state: None, grad: torch.Tensor, output: torch.Tensor) -> None:
+        seen.append(grad.clone())
+        output.copy_(grad.view(world_size, -1)[rank])  # keep this rank's rows, no averaging
+
+    register_comm_hook(model, None, spy)
+    x = torch.ones(1, 3)
+    model(x).sum().backward()
+    assert seen[0].shape == (world_size * 3 * 3,)
+    expected = torch.cat([torch.ones(5, 3), torch.zeros(1, 3)]).view(-1)  # d(sum)/dW = 1 for real rows, 0 padding
+    torch.testing.assert_close(seen[0], expected)
+    torch.testing.assert_close(model.weight.grad.full_tensor(), torch.ones(5, 3))
+
+
+def test_hook_sees_rank_major_padded_gradients() -> None:
+    run_ranks(2, _hook_sees_rank_major_gradients)
