@@ -155,9 +155,13 @@ def _clip(rank: int, world_size: int, norm_type: float, max_norm: float) -> None
         ref.zero_grad()
 
 
-@pytest.mark.parametrize(("norm_type", "max_norm"), [(2.0, 0.5), (math.inf, 0.05), (1.0, 1e6)], ids=["l2", "inf", "l1_no_clip"])
-def test_clip_grad_norm(norm_type: float, max_norm: float) -> None:
-    run_ranks(2, _clip, norm_type, max_norm)
+@pytest.mark.parametrize(
+    ("norm_type", "max_norm", "world_size"),
+    [(2.0, 0.5, 2), (math.inf, 0.05, 2), (1.0, 1e6, 2), (2.0, 0.5, 4), (math.inf, 0.05, 4)],
+    ids=["l2-2", "inf-2", "l1_no_clip-2", "l2-4", "inf-4"],
+)
+def test_clip_grad_norm(norm_type: float, max_norm: float, world_size: int) -> None:
+    run_ranks(world_size, _clip, norm_type, max_norm)
 
 
 # ---- reduction hooks -----------------------------------------------------------------------------------

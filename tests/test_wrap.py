@@ -55,9 +55,11 @@ def _policy(rank: int, world_size: int, policy_name: str) -> None:
     assert sharded_names(model) == ["<root>", "blocks.0", "blocks.1"]
 
 
-@pytest.mark.parametrize("policy_name", list(POLICIES))
-def test_policies_pick_blocks(policy_name: str) -> None:
-    run_ranks(2, _policy, policy_name)
+@pytest.mark.parametrize(
+    ("policy_name", "world_size"), [(name, 2) for name in POLICIES] + [("module_wrap", 4), ("custom", 4)]
+)
+def test_policies_pick_blocks(policy_name: str, world_size: int) -> None:
+    run_ranks(world_size, _policy, policy_name)
 
 
 def _size_based(rank: int, world_size: int) -> None:
