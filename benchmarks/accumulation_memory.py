@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from launch import device_for, launch
 
 import fullshard
+from fullshard.cli import launch
 from fullshard.gpt import GPT, GPTConfig, lm_loss
 from fullshard.runtime import state_of
 
@@ -39,7 +39,7 @@ def held_bytes(model: GPT) -> int:
 
 
 def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
-    device = device_for(rank)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     cfg = GPTConfig(n_layers=args.layers, dim=args.dim, hidden=4 * args.dim)
     results: dict[str, dict[str, Any]] = {}
     for reshard in (True, False):
@@ -104,7 +104,7 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--batch", type=int, default=2)
     args = p.parse_args()
-    launch(worker, args.world_size, args)
+    launch.run(worker, args.world_size, args, device_type="cuda" if torch.cuda.is_available() else "cpu")
 
 
 if __name__ == "__main__":

@@ -17,9 +17,8 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 
 import fullshard
 from fullshard import checkpoint
+from fullshard.cli import launch
 from fullshard.gpt import GPT, GPTConfig, lm_loss
-
-from launch import device_for, launch
 
 
 def timed(fn) -> float:  # type: ignore[no-untyped-def]
@@ -31,7 +30,7 @@ def timed(fn) -> float:  # type: ignore[no-untyped-def]
 
 
 def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
-    device = device_for(rank)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     cfg = GPTConfig(n_layers=args.layers, dim=args.dim, hidden=4 * args.dim)
     torch.manual_seed(0)
     model = GPT(cfg).to(device)
@@ -66,7 +65,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dir", default="/tmp/fullshard-checkpoint-bench")
     args = p.parse_args()
-    launch(worker, args.world_size, args)
+    launch.run(worker, args.world_size, args, device_type="cuda" if torch.cuda.is_available() else "cpu")
 
 
 if __name__ == "__main__":

@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from launch import device_for, launch
 from torch import nn
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import fullshard
+from fullshard.cli import launch
 from fullshard.gpt import GPT, GPTConfig, lm_loss
 from fullshard.runtime import state_of
 
@@ -59,7 +59,7 @@ def param_bytes(model: nn.Module, is_fullshard: bool) -> int:
 
 
 def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
-    device = device_for(rank)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     cfg = GPTConfig(dim=args.dim, n_heads=args.heads, hidden=4 * args.dim, n_layers=args.layers, seq_len=args.seq)
     runs: dict[str, dict[str, Any]] = {}
     for name, shard_fn in (("fullshard", fullshard.fully_shard), ("torch", torch_fully_shard)):
@@ -119,7 +119,7 @@ def report(
 
 def main() -> None:
     args = parse_args()
-    launch(worker, args.world_size, args)
+    launch.run(worker, args.world_size, args, device_type="cuda" if torch.cuda.is_available() else "cpu")
 
 
 if __name__ == "__main__":
