@@ -23,8 +23,11 @@ class GPTConfig:
     n_layers: int = 12
     seq_len: int = 128
     checkpoint_mlp: bool = False  # recompute each block's MLP in backward (non-reentrant)
+    checkpoint_blocks: bool = False  # recompute each whole block in backward (non-reentrant)
 
     def __post_init__(self) -> None:
+        if min(self.vocab_size, self.dim, self.n_heads, self.hidden, self.n_layers, self.seq_len) < 1:
+            raise ValueError(f"GPTConfig: every size must be positive: {self}")
         if self.dim % self.n_heads:
             raise ValueError(f"GPTConfig: dim {self.dim} is not divisible by n_heads {self.n_heads}")
 
@@ -70,6 +73,16 @@ class GPT(nn.Module):
         self.norm = nn.LayerNorm(cfg.dim)
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.head.weight = self.tok.weight
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """GPT-2's initialisation: N(0, 0.02) weights, zero biases, unit LayerNorm scales."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                module.weight.normal_(0.0, 0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                module.bias.zero_()
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.tok(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
@@ -77,7 +90,7 @@ class GPT(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
         for block in self.blocks:
-            x = block(x)
+            x = checkpoint(block, x, use_reentrant=False) if self.cfg.checkpoint_blocks else block(x)
         return self.head(self.norm(x))
 
 

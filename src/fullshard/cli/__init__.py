@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fullshard.cli import convert
+from fullshard.cli import convert, train
+from fullshard.cli.launch import UserError
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fullshard", description="Fully sharded data parallel training for PyTorch.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    train.add_command(commands)
     convert.add_commands(commands)
     return parser
 
@@ -19,6 +21,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.run(args) or 0)
-    except (FileNotFoundError, ValueError) as err:
+    except (FileNotFoundError, ValueError, UserError) as err:
         print(f"fullshard {args.command}: error: {err}", file=sys.stderr)
         return 2

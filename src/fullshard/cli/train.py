@@ -1,0 +1,410 @@
+"""``fullshard train``: sharded training of a byte-level GPT, from a fresh clone in one command.
+
+Without ``torchrun`` it starts ``--nproc`` local CPU ranks (gloo) itself; under
+``torchrun`` it uses the launcher's ranks (NCCL with ``--device cuda``).
+``--batch-size`` is the global batch (sequences per optimizer step), split
+evenly over ranks and micro-batches, so a run resumed at another world size
+continues with the same data and the same losses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import sys
+import time
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from fullshard import checkpoint
+from fullshard.cli import launch
+from fullshard.cli.data import Corpus, default_corpus
+from fullshard.cli.launch import UserError
+from fullshard.fsdp1 import clip_grad_norm_, no_sync
+from fullshard.gpt import GPT, Block, GPTConfig, lm_loss
+from fullshard.wrap import MixedPrecision, ModuleWrapPolicy, ShardingStrategy, shard_model
+
+DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+STRATEGIES = {s.name.lstrip("_"): s for s in ShardingStrategy}
+
+
+@dataclass
+class TrainConfig:
+    data: str = ""
+    out: str = "fullshard-run"
+    nproc: int = 2
+    device: str = "cpu"
+    dtype: str = "fp32"
+    layers: int = 4
+    dim: int = 128
+    heads: int = 4
+    seq_len: int = 128
+    batch_size: int = 16
+    grad_accum: int = 1
+    steps: int = 300
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 30
+    weight_decay: float = 0.1
+    clip: float = 1.0
+    sharding: str = "FULL_SHARD"
+    replicate: int = 1
+    reshard_after_forward: str = "auto"
+    activation_checkpointing: bool = False
+    seed: int = 0
+    eval_every: int = 100
+    eval_batches: int = 2
+    checkpoint_every: int = 100
+    resume: bool = False
+    stop_at: int = 0
+    progress: bool = True
+
+    def model_config(self) -> GPTConfig:
+        try:
+            return GPTConfig(vocab_size=256, dim=self.dim, n_heads=self.heads, hidden=4 * self.dim, n_layers=self.layers,
+                             seq_len=self.seq_len, checkpoint_blocks=self.activation_checkpointing)
+        except ValueError as err:
+            raise UserError(f"impossible model shape: {err}") from None
+
+    def check(self) -> None:
+        self.model_config()
+        if self.dtype not in DTYPES:
+            raise UserError(f"--dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.sharding not in STRATEGIES:
+            raise UserError(f"--sharding must be one of {sorted(STRATEGIES)}, got {self.sharding!r}")
+        if self.reshard_after_forward not in ("auto", "true", "false"):
+            raise UserError(f"--reshard-after-forward must be auto, true or false, got {self.reshard_after_forward!r}")
+        for name in ("nproc", "batch_size", "grad_accum", "steps", "eval_every", "eval_batches", "checkpoint_every", "replicate"):
+            if getattr(self, name) < 1:
+                raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+
+    def rows_per_rank(self, world_size: int) -> int:
+        per_step = world_size * self.grad_accum
+        if self.batch_size % per_step:
+            raise UserError(
+                f"--batch-size {self.batch_size} (the global batch) does not split evenly over {world_size} ranks x "
+                f"{self.grad_accum} micro-batches; use a multiple of {per_step}"
+            )
+        return self.batch_size // per_step
+
+
+# ---- arguments and config file -------------------------------------------------------------------------
+
+
+HELP = {
+    "data": "a text file or a folder of files (default: the Python standard library's source)",
+    "out": "run folder: checkpoints/, metrics.jsonl, training.png",
+    "nproc": "local ranks to start when not under torchrun",
+    "device": "cpu or cuda (cuda: run under torchrun, one rank per GPU)",
+    "dtype": "compute dtype: fp32, or bf16/fp16 mixed precision (fp32 shards, gradients reduced in fp32)",
+    "layers": "transformer blocks",
+    "dim": "model width",
+    "heads": "attention heads (must divide --dim)",
+    "seq_len": "sequence length in bytes",
+    "batch_size": "global batch: sequences per optimizer step, split over ranks and micro-batches",
+    "grad_accum": "micro-batches per optimizer step (gradients reduced once, after the last)",
+    "steps": "optimizer steps in all",
+    "lr": "peak learning rate (AdamW)",
+    "min_lr_ratio": "final learning rate as a fraction of --lr (cosine decay)",
+    "warmup": "steps of linear warm-up",
+    "weight_decay": "AdamW weight decay",
+    "clip": "gradient-norm clipping threshold (0: off)",
+    "sharding": f"FSDP1 strategy name: {', '.join(sorted(STRATEGIES))}",
+    "replicate": "HSDP: replicas (the ranks split into --replicate groups that each shard the model)",
+    "reshard_after_forward": "auto (blocks yes, root no), true or false",
+    "activation_checkpointing": "recompute each block in backward instead of keeping its activations",
+    "seed": "initialisation and data seed",
+    "eval_every": "evaluate on held-out text every K steps",
+    "eval_batches": "global batches per evaluation",
+    "checkpoint_every": "save a checkpoint every K steps (and at the end)",
+    "resume": "continue from the latest complete checkpoint in --out (at any world size)",
+    "stop_at": "stop after this step with a checkpoint (0: run all --steps), e.g. to fit a time slot; --resume continues",
+    "progress": "show the progress bar on rank 0",
+}
+
+
+def add_command(commands: Any) -> None:
+    p = commands.add_parser(
+        "train", help="train a byte-level GPT with fully sharded data parallelism",
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--config", metavar="FILE.toml", help="TOML file whose keys mirror the flags (e.g. seq_len = 256)")
+    for field in dataclasses.fields(TrainConfig):
+        flag = "--" + field.name.replace("_", "-")
+        if field.type == "bool":
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=HELP[field.name])
+        else:
+            p.add_argument(flag, type=type(field.default), default=field.default, help=HELP[field.name])
+    p.set_defaults(run=main)
+
+
+def load_config_file(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            values = tomllib.load(f)
+    except FileNotFoundError:
+        raise UserError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as err:
+        raise UserError(f"config file {path} is not valid TOML: {err}") from None
+    known = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    for key, value in values.items():
+        name = key.replace("-", "_")
+        if name not in known:
+            raise UserError(f"unknown option {key!r} in config file {path}")
+        expected = type(known[name].default)
+        if not isinstance(value, expected) and not (expected is float and isinstance(value, int)):
+            raise UserError(f"option {key!r} in config file {path} must be {expected.__name__}, got {value!r}")
+    return {k.replace("-", "_"): v for k, v in values.items()}
+
+
+def resolve_config(args: argparse.Namespace) -> TrainConfig:
+    """Defaults < config file < flags given on the command line."""
+    given = {k: v for k, v in vars(args).items() if k in TrainConfig.__dataclass_fields__}
+    defaults = TrainConfig()
+    file_values = load_config_file(args.config) if args.config else {}
+    merged = {**dataclasses.asdict(defaults), **file_values}
+    for name, value in given.items():
+        if value != getattr(defaults, name):
+            merged[name] = value
+    cfg = TrainConfig(**merged)
+    cfg.check()
+    return cfg
+
+
+def main(args: argparse.Namespace) -> int:
+    cfg = resolve_config(args)
+    data = Path(cfg.data) if cfg.data else default_corpus()
+    Corpus.load(data, cfg.seq_len)  # fail here, before starting ranks, on bad data
+    if not launch.under_launcher():
+        cfg.rows_per_rank(cfg.nproc)
+    launch.run(worker, cfg.nproc, cfg, device_type=cfg.device)
+    return 0
+
+
+# ---- the run ----------------------------------------------------------------------------------------------
+
+
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def build(cfg: TrainConfig, world_size: int, device: torch.device) -> tuple[GPT, torch.optim.Optimizer]:
+    torch.manual_seed(cfg.seed)
+    model = GPT(cfg.model_config())
+    strategy = STRATEGIES[cfg.sharding]
+    mesh = None
+    if cfg.replicate > 1:
+        if world_size % cfg.replicate:
+            raise UserError(f"--replicate {cfg.replicate} does not divide the world size {world_size}")
+        mesh = init_device_mesh(device.type, (cfg.replicate, world_size // cfg.replicate), mesh_dim_names=("replicate", "shard"))
+        if strategy not in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
+            strategy = ShardingStrategy.HYBRID_SHARD
+    dtype = DTYPES[cfg.dtype]
+    shard_model(
+        model, auto_wrap_policy=ModuleWrapPolicy({Block}), sharding_strategy=strategy, device_mesh=mesh,
+        mixed_precision=MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else None,
+    )
+    if cfg.reshard_after_forward != "auto":
+        model.set_reshard_after_forward(cfg.reshard_after_forward == "true")  # type: ignore[operator]
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    return model, opt
+
+
+def app_state(model: GPT, opt: torch.optim.Optimizer, step: int) -> dict[str, Any]:
+    return {
+        "model": get_model_state_dict(model),
+        "optim": get_optimizer_state_dict(model, opt),
+        "train": {"step": torch.tensor(step)},
+    }
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    found = [p for p in (out / "checkpoints").glob("step_*") if checkpoint.is_complete(p)]
+    return max(found, key=lambda p: int(p.name.split("_")[1])) if found else None
+
+
+def global_mean(value: torch.Tensor) -> float:
+    total = value.detach().float().clone()
+    dist.all_reduce(total)
+    return total.item() / dist.get_world_size()
+
+
+def state_bytes(model: GPT, opt: torch.optim.Optimizer) -> dict[str, int]:
+    def local_bytes(t: torch.Tensor) -> int:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        return local.numel() * local.element_size()
+
+    params = list(model.parameters())
+    optim = sum(local_bytes(v) for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim())
+    return {
+        "params": sum(local_bytes(p) for p in params),
+        "grads": sum(local_bytes(p.grad) for p in params if p.grad is not None),
+        "optimizer": optim,
+    }
+
+
+def worker(rank: int, world_size: int, cfg: TrainConfig) -> None:
+    device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
+    rows = cfg.rows_per_rank(world_size)
+    corpus = Corpus.load(Path(cfg.data) if cfg.data else default_corpus(), cfg.seq_len)
+    model, opt = build(cfg, world_size, device)
+    out = Path(cfg.out)
+    start = 0
+    if cfg.resume:
+        found = latest_checkpoint(out)
+        if found is not None:
+            state = app_state(model, opt, 0)
+            try:
+                checkpoint.load(state, found)
+            except ValueError as err:
+                raise UserError(f"cannot resume: {err} (was it written by a model of another shape?)") from None
+            set_model_state_dict(model, state["model"])
+            set_optimizer_state_dict(model, opt, state["optim"])
+            start = int(state["train"]["step"])
+        elif rank == 0:
+            print(f"fullshard train: no checkpoint in {out / 'checkpoints'}; starting at step 0", file=sys.stderr)
+
+    def local_rows(split: str, index: int, micro: int) -> torch.Tensor:
+        batch = corpus.batch(split, cfg.seed, index, cfg.batch_size, cfg.seq_len)
+        first = (rank * cfg.grad_accum + micro) * rows
+        return batch[first : first + rows].to(device)
+
+    def evaluate() -> float:
+        with torch.no_grad():
+            losses = [lm_loss(model, local_rows("eval", i, m)) for i in range(cfg.eval_batches) for m in range(cfg.grad_accum)]
+        return global_mean(torch.stack(losses).mean())
+
+    progress = None
+    if rank == 0 and cfg.progress:
+        from tqdm import tqdm
+
+        progress = tqdm(total=cfg.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
+    metrics: list[dict[str, Any]] = []
+    memory: dict[str, int] = {}
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    saved_at = None
+    timed: list[float] = []
+    end = min(cfg.steps, cfg.stop_at) if cfg.stop_at else cfg.steps
+    for step in range(start, end):
+        begin = time.perf_counter()
+        for group in opt.param_groups:
+            group["lr"] = lr_at(cfg, step)
+        total = torch.zeros((), device=device)
+        for micro in range(cfg.grad_accum):
+            last = micro == cfg.grad_accum - 1
+            with no_sync(model) if not last else contextlib.nullcontext():
+                loss = lm_loss(model, local_rows("train", step, micro)) / cfg.grad_accum
+                loss.backward()
+            total += loss.detach()
+        if cfg.clip > 0:
+            clip_grad_norm_(model, cfg.clip)
+        opt.step()
+        if not memory:  # gradients and optimizer state both exist now
+            memory = state_bytes(model, opt)
+        opt.zero_grad()
+        loss_value = global_mean(total)
+        elapsed = time.perf_counter() - begin
+        if step > start:
+            timed.append(elapsed)
+        record: dict[str, Any] = {"step": step + 1, "loss": loss_value, "lr": lr_at(cfg, step),
+                                  "tokens_per_s": tokens_per_step / elapsed}
+        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+            record["eval_loss"] = evaluate()
+        metrics.append(record)
+        if progress is not None:
+            progress.update(1)
+            progress.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == end:
+            saved_at = checkpoint.save(app_state(model, opt, step + 1), out / "checkpoints" / f"step_{step + 1:06d}")
+    if progress is not None:
+        progress.close()
+    if not memory:  # nothing left to train after resuming: measure the state as it is
+        memory = state_bytes(model, opt)
+    per_rank: list[Any] = [None] * world_size
+    dist.all_gather_object(per_rank, memory)
+    if rank == 0:
+        _write_metrics(out, metrics, start)
+        report = _summary(cfg, corpus, model, metrics, per_rank, timed, tokens_per_step, saved_at or latest_checkpoint(out), out)
+        print(report)
+
+
+def _write_metrics(out: Path, metrics: list[dict[str, Any]], start: int) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "metrics.jsonl"
+    kept = []
+    if start and path.exists():  # resumed: keep the earlier run's lines up to where it resumed
+        kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= start]
+    path.write_text("".join(line + "\n" for line in kept + [json.dumps(m) for m in metrics]))
+
+
+def _summary(
+    cfg: TrainConfig, corpus: Corpus, model: GPT, metrics: list[dict[str, Any]], per_rank: list[dict[str, int]],
+    timed: list[float], tokens_per_step: int, saved: Path | None, out: Path,
+) -> str:
+    n_params = sum(p.numel() for p in model.parameters())
+    unsharded = n_params * 4 * 4  # fp32 parameters, gradients and two AdamW moments
+    mib = 2**20
+    ranks = ", ".join(f"{sum(m.values()) / mib:.2f}" for m in per_rank)
+    lines = ["fullshard train: done"]
+    lines.append(f"  data: {corpus.path} ({len(corpus.train)} training bytes, {len(corpus.eval)} held out)")
+    lines.append(f"  model: GPT {cfg.layers} layers, width {cfg.dim}, {cfg.heads} heads, sequence {cfg.seq_len}: "
+                 f"{n_params:,} parameters; {len(per_rank)} ranks, {cfg.sharding}, {cfg.dtype}")
+    if metrics:
+        evals = [m["eval_loss"] for m in metrics if "eval_loss" in m]
+        lines.append(f"  loss: {metrics[0]['loss']:.4f} at step {metrics[0]['step']} -> {metrics[-1]['loss']:.4f} at step "
+                     f"{metrics[-1]['step']}" + (f" (held-out {evals[-1]:.4f})" if evals else ""))
+    if timed:
+        lines.append(f"  throughput: {tokens_per_step * len(timed) / sum(timed):,.0f} tokens/s")
+    lines.append(f"  per-rank parameters + gradients + optimizer state: [{ranks}] MiB; unsharded total {unsharded / mib:.2f} MiB")
+    lines.append(f"  checkpoint: {saved}")
+    plot = _plot(out, per_rank, unsharded)
+    lines.append(f"  plot: {plot}")
+    return "\n".join(lines)
+
+
+def _plot(out: Path, per_rank: list[dict[str, int]], unsharded: int) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line]
+    fig, (ax_loss, ax_mem) = plt.subplots(1, 2, figsize=(11, 4))
+    ax_loss.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train")
+    evals = [r for r in rows if "eval_loss" in r]
+    ax_loss.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="held-out")
+    ax_loss.set(xlabel="step", ylabel="loss (nats/byte)", title="loss")
+    ax_loss.legend()
+    mib = 2**20
+    bottom = [0.0] * len(per_rank)
+    for part in ("params", "grads", "optimizer"):
+        values = [m[part] / mib for m in per_rank]
+        ax_mem.bar(range(len(per_rank)), values, bottom=bottom, label=part)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax_mem.axhline(unsharded / mib, color="black", linestyle="--", label="unsharded total")
+    ax_mem.set(xlabel="rank", ylabel="MiB", title="per-rank training state", xticks=range(len(per_rank)))
+    ax_mem.legend()
+    fig.tight_layout()
+    path = out / "training.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
