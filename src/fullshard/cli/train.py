@@ -94,6 +94,15 @@ class TrainConfig:
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
 
+    def strategy(self) -> ShardingStrategy:
+        """The FSDP1 strategy in effect: ``--replicate N`` makes a sharding strategy hybrid."""
+        chosen = STRATEGIES[self.sharding]
+        if self.replicate > 1 and chosen is ShardingStrategy.FULL_SHARD:
+            return ShardingStrategy.HYBRID_SHARD
+        if self.replicate > 1 and chosen is ShardingStrategy.SHARD_GRAD_OP:
+            return ShardingStrategy._HYBRID_SHARD_ZERO2
+        return chosen
+
     def rows_per_rank(self, world_size: int) -> int:
         per_step = world_size * self.grad_accum
         if self.batch_size % per_step:
@@ -141,16 +150,17 @@ HELP = {
 
 def add_command(commands: Any) -> None:
     p = commands.add_parser(
-        "train", help="train a byte-level GPT with fully sharded data parallelism",
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        "train", help="train a byte-level GPT with fully sharded data parallelism", description=__doc__.split("\n\n")[0],
     )
     p.add_argument("--config", metavar="FILE.toml", help="TOML file whose keys mirror the flags (e.g. seq_len = 256)")
+    # Flags default to "not given" (SUPPRESS), so a config file value is overridden only by a flag actually passed.
     for field in dataclasses.fields(TrainConfig):
         flag = "--" + field.name.replace("_", "-")
+        text = f"{HELP[field.name]} (default: {field.default!r})"
         if field.type == "bool":
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=HELP[field.name])
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=text)
         else:
-            p.add_argument(flag, type=type(field.default), default=field.default, help=HELP[field.name])
+            p.add_argument(flag, type=type(field.default), default=argparse.SUPPRESS, help=text)
     p.set_defaults(run=main)
 
 
@@ -176,13 +186,8 @@ def load_config_file(path: str) -> dict[str, Any]:
 def resolve_config(args: argparse.Namespace) -> TrainConfig:
     """Defaults < config file < flags given on the command line."""
     given = {k: v for k, v in vars(args).items() if k in TrainConfig.__dataclass_fields__}
-    defaults = TrainConfig()
     file_values = load_config_file(args.config) if args.config else {}
-    merged = {**dataclasses.asdict(defaults), **file_values}
-    for name, value in given.items():
-        if value != getattr(defaults, name):
-            merged[name] = value
-    cfg = TrainConfig(**merged)
+    cfg = TrainConfig(**{**dataclasses.asdict(TrainConfig()), **file_values, **given})
     cfg.check()
     return cfg
 
@@ -210,14 +215,13 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
 def build(cfg: TrainConfig, world_size: int, device: torch.device) -> tuple[GPT, torch.optim.Optimizer]:
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model_config())
-    strategy = STRATEGIES[cfg.sharding]
+    strategy = cfg.strategy()
     mesh = None
     if cfg.replicate > 1:
-        if world_size % cfg.replicate:
-            raise UserError(f"--replicate {cfg.replicate} does not divide the world size {world_size}")
+        if world_size % cfg.replicate or strategy is ShardingStrategy.NO_SHARD:
+            raise UserError(f"--replicate {cfg.replicate} needs a sharding strategy and a world size ({world_size}) "
+                            "that it divides")
         mesh = init_device_mesh(device.type, (cfg.replicate, world_size // cfg.replicate), mesh_dim_names=("replicate", "shard"))
-        if strategy not in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
-            strategy = ShardingStrategy.HYBRID_SHARD
     dtype = DTYPES[cfg.dtype]
     shard_model(
         model, auto_wrap_policy=ModuleWrapPolicy({Block}), sharding_strategy=strategy, device_mesh=mesh,
@@ -367,7 +371,7 @@ def _summary(
     lines = ["fullshard train: done"]
     lines.append(f"  data: {corpus.path} ({len(corpus.train)} training bytes, {len(corpus.eval)} held out)")
     lines.append(f"  model: GPT {cfg.layers} layers, width {cfg.dim}, {cfg.heads} heads, sequence {cfg.seq_len}: "
-                 f"{n_params:,} parameters; {len(per_rank)} ranks, {cfg.sharding}, {cfg.dtype}")
+                 f"{n_params:,} parameters; {len(per_rank)} ranks, {cfg.strategy().name.lstrip('_')}, {cfg.dtype}")
     if metrics:
         evals = [m["eval_loss"] for m in metrics if "eval_loss" in m]
         lines.append(f"  loss: {metrics[0]['loss']:.4f} at step {metrics[0]['step']} -> {metrics[-1]['loss']:.4f} at step "

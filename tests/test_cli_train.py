@@ -1,0 +1,148 @@
+"""``fullshard train`` end to end at tiny sizes: train, checkpoint, resume at another world size, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY = ["--layers", "2", "--dim", "32", "--heads", "2", "--seq-len", "32", "--batch-size", "4", "--warmup", "2",
+        "--eval-every", "3", "--eval-batches", "1", "--no-progress"]
+
+
+def fullshard(*args: str, env: dict[str, str] | None = None, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "fullshard", *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small text file: this repository's engine sources."""
+    src = Path(__file__).resolve().parents[1] / "src" / "fullshard"
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_bytes(b"".join(p.read_bytes() for p in sorted(src.glob("*.py"))))
+    return path
+
+
+def losses(run: Path) -> dict[int, float]:
+    return {m["step"]: m["loss"] for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
+    out = tmp_path_factory.mktemp("runs") / "whole"
+    done = fullshard("train", "--data", str(corpus), "--out", str(out), "--steps", "6", "--checkpoint-every", "3", *TINY)
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+def test_train_summary_checkpoint_and_plot(uninterrupted: Path, corpus: Path) -> None:
+    metrics = losses(uninterrupted)
+    assert sorted(metrics) == [1, 2, 3, 4, 5, 6]
+    assert metrics[6] < metrics[1]
+    assert (uninterrupted / "checkpoints" / "step_000003" / ".metadata").is_file()
+    assert (uninterrupted / "checkpoints" / "step_000006" / ".metadata").is_file()
+    assert (uninterrupted / "training.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_summary_lines(tmp_path: Path, corpus: Path) -> None:
+    done = fullshard("train", "--data", str(corpus), "--out", str(tmp_path), "--steps", "2", *TINY)
+    assert done.returncode == 0, done.stderr
+    text = done.stdout
+    assert "fullshard train: done" in text
+    assert "loss: " in text and "throughput: " in text and "tokens/s" in text
+    ranks = text.split("per-rank parameters + gradients + optimizer state: [")[1].split("]")[0].split(", ")
+    total = float(text.split("unsharded total ")[1].split(" MiB")[0])
+    assert len(ranks) == 2 and abs(sum(map(float, ranks)) - total) < 0.05 * total
+    assert f"checkpoint: {tmp_path / 'checkpoints' / 'step_000002'}" in text
+
+
+@pytest.mark.parametrize("resume_ranks", [1, 4])
+def test_resume_at_another_world_size_continues_identically(
+    tmp_path: Path, corpus: Path, uninterrupted: Path, resume_ranks: int
+) -> None:
+    common = ["train", "--data", str(corpus), "--out", str(tmp_path), "--steps", "6", "--checkpoint-every", "3", *TINY]
+    first = fullshard(*common, "--stop-at", "3")
+    assert first.returncode == 0, first.stderr
+    assert sorted(losses(tmp_path)) == [1, 2, 3]
+    second = fullshard(*common, "--resume", "--nproc", str(resume_ranks))
+    assert second.returncode == 0, second.stderr
+    resumed, whole = losses(tmp_path), losses(uninterrupted)
+    assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
+    torch.testing.assert_close([resumed[s] for s in (4, 5, 6)], [whole[s] for s in (4, 5, 6)], rtol=1e-5, atol=1e-5)
+
+
+def test_config_file(tmp_path: Path, corpus: Path) -> None:
+    config = tmp_path / "run.toml"
+    config.write_text(f'data = "{corpus}"\nlayers = 1\nsteps = 2\nseq-len = 32\ndim = 32\nheads = 2\nbatch_size = 4\n')
+    done = fullshard("train", "--config", str(config), "--out", str(tmp_path / "out"), "--no-progress", "--heads", "4")
+    assert done.returncode == 0, done.stderr
+    assert "GPT 1 layers, width 32, 4 heads, sequence 32" in done.stdout  # file values, overridden by the flag
+
+
+def one_line_error(done: subprocess.CompletedProcess[str]) -> str:
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("fullshard train: error: "), done.stderr
+    return lines[0]
+
+
+def test_bad_input_is_one_line(tmp_path: Path, corpus: Path, uninterrupted: Path) -> None:
+    assert "data path /nonexistent/text does not exist" in one_line_error(fullshard("train", "--data", "/nonexistent/text"))
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("too short")
+    assert "has 9 bytes; sequences of 32 need at least 66" in one_line_error(
+        fullshard("train", "--data", str(tiny), *TINY))
+    assert "--batch-size 1 (the global batch) does not split evenly over 2 ranks" in one_line_error(
+        fullshard("train", "--data", str(corpus), *TINY, "--batch-size", "1"))
+    assert "impossible model shape: GPTConfig: dim 30 is not divisible by n_heads 4" in one_line_error(
+        fullshard("train", "--data", str(corpus), "--dim", "30", "--heads", "4"))
+    config = tmp_path / "bad.toml"
+    config.write_text("layers = 2\nlearning_rate = 0.1\n")
+    bad_key = one_line_error(fullshard("train", "--config", str(config)))
+    assert f"unknown option 'learning_rate' in config file {config}" in bad_key
+    other = one_line_error(fullshard("train", "--data", str(corpus), "--out", str(uninterrupted), "--resume", "--steps", "8",
+                                     *TINY, "--layers", "3"))
+    assert "cannot resume: checkpoint" in other and "missing keys [model.blocks.2." in other
+
+
+def test_help_documents_every_option() -> None:
+    done = fullshard("train", "--help")
+    assert done.returncode == 0
+    for flag in ("--layers", "--dim", "--heads", "--seq-len", "--batch-size", "--grad-accum", "--warmup", "--sharding",
+                 "--reshard-after-forward", "--dtype", "--activation-checkpointing", "--seed", "--eval-every",
+                 "--checkpoint-every", "--resume", "--config", "--replicate", "--device"):
+        assert flag in done.stdout, flag
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_node_torchrun_on_localhost(tmp_path: Path, corpus: Path) -> None:
+    """Two `torchrun --nnodes 2` launches of 2 ranks each, HSDP over the 2 'nodes'."""
+    port = str(free_port())
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(node),
+             "--master-addr", "127.0.0.1", "--master-port", port, "-m", "fullshard", "train", "--data", str(corpus),
+             "--out", str(tmp_path), "--steps", "3", "--replicate", "2", "--grad-accum", "1", *TINY],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        )
+        for node in (0, 1)
+    ]
+    outputs = [p.communicate(timeout=240) for p in procs]
+    for proc, (out, err) in zip(procs, outputs):
+        assert proc.returncode == 0, err[-3000:]
+    summary = outputs[0][0] + outputs[1][0]
+    assert "4 ranks, HYBRID_SHARD" in summary
+    assert sorted(losses(tmp_path)) == [1, 2, 3]
