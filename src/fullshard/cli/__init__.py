@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fullshard.cli import convert, train
+from fullshard.cli import bench, convert, train
 from fullshard.cli.launch import UserError
 
 
@@ -13,6 +13,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fullshard", description="Fully sharded data parallel training for PyTorch.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     train.add_command(commands)
+    bench.add_command(commands)
     convert.add_commands(commands)
     return parser
 

@@ -1,0 +1,201 @@
+"""``fullshard bench``: fullshard against torch's ``fully_shard`` (FSDP2) and DDP, step by step in one run.
+
+The three copies of one GPT (same seed) train on the same batches with AdamW.
+Steps rotate through the implementations so none always runs first; every
+step starts after a barrier and its time is the slowest rank's. Reported per
+implementation: median step time and its ratio to fullshard's, training state
+(parameters + gradients + optimizer state) per rank, peak device memory (CUDA
+only), and bytes each rank sends per step. Bytes are counted from the
+collectives' sizes with ring-algorithm costs: an all-gather or reduce-scatter
+of N bytes moves N(W-1)/W per rank, an all-reduce twice that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from fullshard.api import fully_shard
+from fullshard.cli import launch
+from fullshard.gpt import GPT, GPTConfig, lm_loss
+
+IMPLEMENTATIONS = ("fullshard", "torch-fsdp2", "ddp")
+
+
+class ByteCounter:
+    """Adds up what each rank sends for the collectives issued through ``torch.distributed``."""
+
+    NAMES = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor", "all_reduce")
+
+    def __init__(self) -> None:
+        self.bytes = 0.0
+        self._originals = {name: getattr(dist, name) for name in self.NAMES if hasattr(dist, name)}
+        for name, fn in self._originals.items():
+            setattr(dist, name, self._counting(name, fn))
+
+    def _counting(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            group = kwargs.get("group")
+            world = dist.get_world_size(group)
+            tensor = _payload(name, args, kwargs)
+            nbytes = tensor.numel() * tensor.element_size() * (world - 1) / world
+            self.bytes += 2 * nbytes if name == "all_reduce" else nbytes
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    def ddp_hook(self) -> Callable[..., Any]:
+        """A DDP comm hook that counts each bucket's all-reduce (DDP's reducer bypasses the Python collectives)."""
+
+        def hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP rejects string annotations here
+            world = dist.get_world_size()
+            buffer = bucket.buffer()
+            self.bytes += 2 * buffer.numel() * buffer.element_size() * (world - 1) / world
+            return default_hooks.allreduce_hook(state, bucket)
+
+        return hook
+
+    def restore(self) -> None:
+        for name, fn in self._originals.items():
+            setattr(dist, name, fn)
+
+
+def _payload(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+    """The tensor whose size a collective moves: the all-reduced tensor, the gathered output, the scattered input."""
+    if name == "all_reduce":
+        return args[0] if args else kwargs["tensor"]
+    if "gather" in name:
+        return args[0] if args else kwargs["output_tensor"]
+    return args[1] if len(args) > 1 else kwargs["input"]
+
+
+def build(name: str, cfg: GPTConfig, device: torch.device, counter: ByteCounter) -> nn.Module:
+    torch.manual_seed(0)
+    model = GPT(cfg).to(device)
+    if name == "ddp":
+        ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        ddp.register_comm_hook(None, counter.ddp_hook())
+        return ddp
+    shard = fully_shard if name == "fullshard" else torch_fully_shard
+    for block in model.blocks:
+        shard(block)
+    shard(model)
+    return model
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    t = t.to_local() if isinstance(t, DTensor) else t
+    return t.numel() * t.element_size()
+
+
+def param_bytes(model: nn.Module) -> int:
+    return sum(_local_bytes(p) for p in model.parameters())
+
+
+def state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
+    """Parameters + gradients + optimizer state held by this rank."""
+    local = _local_bytes
+    params = list(model.parameters())
+    total = sum(local(p) for p in params) + sum(local(p.grad) for p in params if p.grad is not None)
+    return total + sum(local(v) for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim())
+
+
+def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
+    cuda = torch.cuda.is_available() and args.device == "cuda"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    cfg = GPTConfig(dim=args.dim, n_heads=args.heads, hidden=4 * args.dim, n_layers=args.layers, seq_len=args.seq_len)
+    counter = ByteCounter()
+    runs: dict[str, dict[str, Any]] = {}
+    for name in args.implementations:
+        model = build(name, cfg, device, counter)
+        runs[name] = {"model": model, "opt": torch.optim.AdamW(model.parameters(), lr=1e-3), "times": [], "bytes": [],
+                      "peak": 0, "state": 0, "params": param_bytes(model), "losses": []}
+    gen = torch.Generator().manual_seed(1 + rank)
+    for step in range(args.warmup + args.steps):
+        tokens = torch.randint(0, cfg.vocab_size, (args.batch_size, cfg.seq_len + 1), generator=gen).to(device)
+        order = list(args.implementations)
+        shift = step % len(order)
+        for name in order[shift:] + order[:shift]:
+            run = runs[name]
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            dist.barrier()
+            counter.bytes = 0.0
+            start = time.perf_counter()
+            loss = lm_loss(run["model"], tokens)
+            loss.backward()
+            run["opt"].step()
+            if not run["state"]:
+                run["state"] = state_bytes(run["model"], run["opt"])
+            run["opt"].zero_grad()
+            if cuda:
+                torch.cuda.synchronize()
+                run["peak"] = max(run["peak"], torch.cuda.max_memory_allocated())
+            elapsed = torch.tensor(time.perf_counter() - start)
+            sent = counter.bytes
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            run["losses"].append(loss.item())
+            if step >= args.warmup:
+                run["times"].append(elapsed.item())
+                run["bytes"].append(sent)
+    counter.restore()
+    if rank == 0:
+        print(report(runs, cfg, world_size, device, args))
+
+
+def report(runs: dict[str, dict[str, Any]], cfg: GPTConfig, world_size: int, device: torch.device,
+           args: argparse.Namespace) -> str:
+    n_params = sum(p.numel() for p in GPT(cfg).parameters())
+    first = args.implementations[0]
+    lines = [
+        f"GPT {cfg.n_layers} blocks, width {cfg.dim}, {n_params / 1e6:.2f}M parameters, batch {args.batch_size}x"
+        f"{cfg.seq_len} per rank, world size {world_size}, {device.type}, {args.steps} timed steps each",
+        f"{'':12s} {'step ms':>9s} {'vs ' + first:>14s} {'params B/rank':>14s} {'state MiB/rank':>15s} {'peak MiB':>9s} "
+        f"{'sent MiB/step':>14s} {'max loss diff':>14s}",
+    ]
+    base = statistics.median(runs[first]["times"])
+    for name, run in runs.items():
+        median = statistics.median(run["times"])
+        peak = f"{run['peak'] / 2**20:.1f}" if run["peak"] else "n/a"
+        diff = max(abs(a - b) for a, b in zip(run["losses"], runs[first]["losses"]))
+        lines.append(f"{name:12s} {median * 1e3:9.1f} {median / base:14.3f} {run['params']:14d} {run['state'] / 2**20:15.2f} "
+                     f"{peak:>9s} {statistics.median(run['bytes']) / 2**20:14.2f} {diff:14.2e}")
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nproc", type=int, default=2, help="local ranks to start when not under torchrun (default: 2)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: run under torchrun, one rank per GPU")
+    p.add_argument("--implementations", nargs="+", choices=IMPLEMENTATIONS, default=list(IMPLEMENTATIONS),
+                   help="what to compare; ratios are against the first (default: all three)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per implementation (default: 20)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per implementation first (default: 3)")
+    p.add_argument("--layers", type=int, default=12, help="transformer blocks (default: 12)")
+    p.add_argument("--dim", type=int, default=256, help="model width (default: 256)")
+    p.add_argument("--heads", type=int, default=4, help="attention heads (default: 4)")
+    p.add_argument("--seq-len", type=int, default=128, help="sequence length (default: 128)")
+    p.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step (default: 4)")
+
+
+def add_command(commands: Any) -> None:
+    p = commands.add_parser("bench", help="time fullshard against torch's fully_shard and DDP on the same model",
+                            description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    p.set_defaults(run=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    launch.run(worker, args.nproc, args, device_type=args.device)
+    return 0
