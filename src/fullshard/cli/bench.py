@@ -23,11 +23,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from fullshard.api import fully_shard
 from fullshard.cli import launch
+from fullshard.cli.train import state_bytes
 from fullshard.gpt import GPT, GPTConfig, lm_loss
 
 IMPLEMENTATIONS = ("fullshard", "torch-fsdp2", "ddp")
@@ -94,23 +94,6 @@ def build(name: str, cfg: GPTConfig, device: torch.device, counter: ByteCounter)
     return model
 
 
-def _local_bytes(t: torch.Tensor) -> int:
-    t = t.to_local() if isinstance(t, DTensor) else t
-    return t.numel() * t.element_size()
-
-
-def param_bytes(model: nn.Module) -> int:
-    return sum(_local_bytes(p) for p in model.parameters())
-
-
-def state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
-    """Parameters + gradients + optimizer state held by this rank."""
-    local = _local_bytes
-    params = list(model.parameters())
-    total = sum(local(p) for p in params) + sum(local(p.grad) for p in params if p.grad is not None)
-    return total + sum(local(v) for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim())
-
-
 def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
     cuda = torch.cuda.is_available() and args.device == "cuda"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -120,7 +103,7 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
     for name in args.implementations:
         model = build(name, cfg, device, counter)
         runs[name] = {"model": model, "opt": torch.optim.AdamW(model.parameters(), lr=1e-3), "times": [], "bytes": [],
-                      "peak": 0, "state": 0, "params": param_bytes(model), "losses": []}
+                      "peak": 0, "state": 0, "params": 0, "losses": []}
     gen = torch.Generator().manual_seed(1 + rank)
     for step in range(args.warmup + args.steps):
         tokens = torch.randint(0, cfg.vocab_size, (args.batch_size, cfg.seq_len + 1), generator=gen).to(device)
@@ -138,7 +121,8 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
             loss.backward()
             run["opt"].step()
             if not run["state"]:
-                run["state"] = state_bytes(run["model"], run["opt"])
+                held = state_bytes(run["model"], run["opt"])
+                run["state"], run["params"] = sum(held.values()), held["params"]
             run["opt"].zero_grad()
             if cuda:
                 torch.cuda.synchronize()

@@ -252,7 +252,8 @@ def global_mean(value: torch.Tensor) -> float:
     return total.item() / dist.get_world_size()
 
 
-def state_bytes(model: GPT, opt: torch.optim.Optimizer) -> dict[str, int]:
+def state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes this rank holds in parameters, gradients and optimizer state (local shards only)."""
     def local_bytes(t: torch.Tensor) -> int:
         local = t.to_local() if isinstance(t, DTensor) else t
         return local.numel() * local.element_size()
