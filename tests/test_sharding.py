@@ -218,7 +218,7 @@ def _manual(rank: int, world_size: int) -> None:
     layer.reshard()
     assert all(isinstance(p, DTensor) for p in layer.parameters())
     handle = layer.unshard(async_op=True)
-    assert isinstance(handle, UnshardHandle)
+    assert isinstance(handle, UnshardHandle) and isinstance(handle, torch.distributed.fsdp.UnshardHandle)
     handle.wait()
     assert all(type(p) is nn.Parameter for p in layer.parameters())
     x = torch.randn(2, 7)

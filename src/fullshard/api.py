@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import UnshardHandle as _TorchUnshardHandle
 from torch.distributed.tensor import DTensor, Shard
 
 from fullshard.collectives import CommStreams
@@ -459,8 +460,11 @@ class FSDPModule:
         raise AssertionError("fullshard modules do not support deepcopy; save and load a state dict instead")
 
 
-class UnshardHandle:
-    """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` completes the all-gather."""
+class UnshardHandle(_TorchUnshardHandle):
+    """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` completes the all-gather.
+
+    A subclass of torch's ``UnshardHandle``, so checks written for FSDP2 accept it.
+    """
 
     def __init__(self, state: ShardState) -> None:
         self._state = state
