@@ -4,6 +4,8 @@
 ``from torch.distributed.fsdp import fully_shard``.
 """
 
+import logging
+
 from torch.distributed.fsdp import DataParallelMeshDims
 
 from fullshard import checkpoint
@@ -73,3 +75,6 @@ __all__ = [
     "size_based_auto_wrap_policy",
     "summon_full_params",
 ]
+
+# One logger for the package, quiet unless the application configures logging.
+logging.getLogger("fullshard").addHandler(logging.NullHandler())

@@ -35,10 +35,15 @@ def run(worker: Callable[..., None], nproc: int, *args: Any, device_type: str = 
             _teardown()
         return
     ctx = mp.get_context("spawn")
+    # Local ranks talk over loopback only.
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     errors = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_local_rank, args=(rank, nproc, store.port, worker, args, errors)) for rank in range(nproc)]
+    procs = [
+        ctx.Process(target=_local_rank, args=(rank, nproc, store.port, device_type, worker, args, errors))
+        for rank in range(nproc)
+    ]
     for proc in procs:
         proc.start()
     for proc in procs:
@@ -68,10 +73,15 @@ def _teardown() -> None:
         dist.destroy_process_group()
 
 
-def _local_rank(rank: int, world_size: int, port: int, worker: Callable[..., None], args: tuple[Any, ...], errors: Any) -> None:
+def _local_rank(
+    rank: int, world_size: int, port: int, device_type: str, worker: Callable[..., None], args: tuple[Any, ...], errors: Any
+) -> None:
+    """One local rank: gloo on CPU, or NCCL with GPU ``rank`` when ``device_type`` is cuda."""
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    if device_type == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", store=store, rank=rank, world_size=world_size)
     try:
         worker(rank, world_size, *args)
         _teardown()
