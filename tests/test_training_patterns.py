@@ -287,3 +287,36 @@ def _non_contiguous(rank: int, world_size: int) -> None:
 
 def test_non_contiguous_parameter() -> None:
     run_ranks(2, _non_contiguous)
+
+
+# ---- ignored parameters ----------------------------------------------------------------------------
+
+
+def _ignored(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    ref = MLP()
+    torch.manual_seed(0)
+    model = MLP()
+    ignored = model.layers[0].bias
+    for layer in model.layers:
+        fully_shard(layer, ignored_params={ignored})
+    fully_shard(model, ignored_params={ignored})
+    assert model.layers[0].bias is ignored and type(ignored) is nn.Parameter  # not sharded
+    assert isinstance(model.layers[0].weight, DTensor)
+    x, y = regression_batch(torch.Generator().manual_seed(rank))
+    mse_loss(model, (x, y)).backward()
+    mse_loss(ref, (x, y)).backward()
+    # Not reduced: the ignored parameter keeps this rank's own gradient.
+    torch.testing.assert_close(ignored.grad, ref.layers[0].bias.grad)
+
+    torch.manual_seed(0)
+    wrapped = MLP()
+    from fullshard import ModuleWrapPolicy, shard_model
+
+    shard_model(wrapped, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), ignored_modules=[wrapped.layers[1]])
+    assert all(type(p) is nn.Parameter for p in wrapped.layers[1].parameters())
+    assert all(isinstance(p, DTensor) for p in wrapped.layers[0].parameters())
+
+
+def test_ignored_params_and_modules() -> None:
+    run_ranks(2, _ignored)
