@@ -27,7 +27,9 @@ def two_micro_batches(mode: str, world_size: int, model: nn.Module, tokens: torc
     if not isinstance(model, FSDPModule):
         (lm_loss(model, first) / world_size).backward()
         return lm_loss(model, second)
-    if mode == "no_all_reduce":
+    if mode == "synced":
+        pass  # both backwards reduce; the second adds into the sharded gradients of the first
+    elif mode == "no_all_reduce":
         model.set_requires_all_reduce(False)
     elif mode == "not_last_backward":
         model.set_is_last_backward(False)
@@ -78,7 +80,7 @@ def _accumulate(rank: int, world_size: int, mode: str) -> None:
 
 @pytest.mark.parametrize(
     ("mode", "world_size"),
-    [("no_sync", 2), ("keep_unsharded", 2), ("bf16", 2), ("not_last_backward", 2), ("no_all_reduce", 4)],
+    [("no_sync", 2), ("keep_unsharded", 2), ("bf16", 2), ("not_last_backward", 2), ("no_all_reduce", 4), ("synced", 2)],
 )
 def test_accumulation_parity(mode: str, world_size: int) -> None:
     run_ranks(world_size, _accumulate, mode)
