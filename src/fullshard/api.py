@@ -119,7 +119,7 @@ def fully_shard(
                 mod._buffers[buf_name] = buf.to(device)
 
     params = list(sites)
-    _check_params(params, fqns, mesh_info, device)
+    _check_params(params, fqns, device)
     streams = CommStreams(device)
     group = None
     if params:
@@ -210,7 +210,7 @@ def _params_of_descendant_groups(modules: list[nn.Module]) -> dict[torch.Tensor,
     return owned
 
 
-def _check_params(params: list[nn.Parameter], fqns: dict[nn.Parameter, str], mesh_info: MeshInfo, device: torch.device) -> None:
+def _check_params(params: list[nn.Parameter], fqns: dict[nn.Parameter, str], device: torch.device) -> None:
     for p in params:
         fqn = fqns[p]
         if isinstance(p, DTensor):

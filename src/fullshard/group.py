@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,8 +17,6 @@ from fullshard.collectives import CommStreams, PendingCollective, all_gather, al
 from fullshard.layout import GroupLayout, ParamLayout
 from fullshard.mesh import MeshInfo
 from fullshard.param import ShardedParam
-
-log = logging.getLogger("fullshard")
 
 
 class ShardedState(Enum):
