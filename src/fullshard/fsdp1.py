@@ -159,14 +159,19 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     total = torch.zeros((), dtype=torch.float32, device=device)
     for group, part in parts.items():
         if group is not None:
+            # NCCL reduces device tensors only (offloaded gradients live on CPU).
+            comm = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else part.device
+            part = part.to(comm)
             dist.all_reduce(part, op=dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM, group=group)
+        part = part.to(device)
         total = torch.maximum(total, part) if infinite else total + part
     if not infinite:
         total = total.pow(1.0 / norm_type)
     coef = max_norm / (total + 1e-6)
     if coef < 1.0:
         for grad in grads:
-            (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(coef.to(grad.dtype))
+            local = grad.to_local() if isinstance(grad, DTensor) else grad
+            local.mul_(coef.to(device=local.device, dtype=local.dtype))
     return total
 
 
