@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from fullshard.group import ParamGroup
+from fullshard.param import full_tensor
 from fullshard.runtime import ShardState, TrainingState, state_of
 
 
@@ -74,7 +75,7 @@ def summon_full_params(
                 full = p.unsharded
                 if with_grads and p.sharded.grad is not None:
                     grad = p.sharded.grad
-                    full.grad = grad.full_tensor() if isinstance(grad, DTensor) else grad
+                    full.grad = full_tensor(grad) if isinstance(grad, DTensor) else grad
                 if offload_to_cpu and keep_full:
                     copy = nn.Parameter(full.detach().cpu(), requires_grad=full.requires_grad)
                     copy.grad = None if full.grad is None else full.grad.cpu()

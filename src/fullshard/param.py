@@ -26,6 +26,17 @@ class ParamSite:
     name: str
 
 
+def full_tensor(value: DTensor) -> torch.Tensor:
+    """``value.full_tensor()``, also for a CPU-offloaded local piece on an accelerator mesh (gathered there)."""
+    mesh = value.device_mesh
+    local = value.to_local()
+    if local.device.type != mesh.device_type:
+        accelerator = torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
+        value = DTensor.from_local(local.to(accelerator), mesh, value.placements, run_check=False,
+                                   shape=value.shape, stride=value.stride())
+    return value.full_tensor()
+
+
 def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     stride, running = [], 1
     for size in reversed(shape):
@@ -112,7 +123,7 @@ class ShardedParam:
             if value.placements == self.sharded.placements and value.device_mesh == self.sharded.device_mesh:
                 self.sharded.to_local().copy_(value.to_local())
                 return
-            value = value.full_tensor()
+            value = full_tensor(value)
         self.sharded.to_local().copy_(self.local_part(value))
 
     def local_part(self, full: torch.Tensor) -> torch.Tensor:

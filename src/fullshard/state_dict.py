@@ -22,7 +22,7 @@ from torch.distributed.fsdp import OptimStateKeyType
 from torch.distributed.tensor import DTensor
 
 from fullshard.group import ParamGroup
-from fullshard.param import ShardedParam
+from fullshard.param import ShardedParam, full_tensor
 from fullshard.runtime import state_of
 
 
@@ -60,7 +60,7 @@ def _to_local_shards(group: ParamGroup, entries: list[tuple[str, ShardedParam]])
                 continue
             if tuple(value.shape) != p.layout.shape:
                 continue  # load_state_dict reports the size mismatch itself
-            full = value.full_tensor() if isinstance(value, DTensor) else value
+            full = full_tensor(value) if isinstance(value, DTensor) else value
             local = p.local_part(full).to(device=p.sharded.to_local().device)
             state_dict[key] = p.as_dtensor_of(local)
 
@@ -85,7 +85,7 @@ def _readopt(entries: list[tuple[str, ShardedParam]]):  # type: ignore[no-untype
 def _gather(value: Any, cpu_offload: bool) -> Any:
     """A full copy of ``value``: never an alias of live state (an optimizer's ``step`` is updated in place)."""
     if isinstance(value, DTensor):
-        value = value.full_tensor()
+        value = full_tensor(value)
     elif isinstance(value, torch.Tensor):
         value = value.detach().clone()
     if isinstance(value, torch.Tensor) and cpu_offload:
