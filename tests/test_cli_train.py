@@ -146,3 +146,14 @@ def test_two_node_torchrun_on_localhost(tmp_path: Path, corpus: Path) -> None:
     summary = outputs[0][0] + outputs[1][0]
     assert "4 ranks, HYBRID_SHARD" in summary
     assert sorted(losses(tmp_path)) == [1, 2, 3]
+
+
+def test_hf_model(tmp_path: Path, corpus: Path) -> None:
+    pytest.importorskip("transformers")
+    done = fullshard("train", "--hf-model", "llama", "--data", str(corpus), "--out", str(tmp_path), "--steps", "3", *TINY)
+    assert done.returncode == 0, done.stderr
+    assert "model: LlamaForCausalLM 2 layers, width 32, 2 heads, sequence 32" in done.stdout
+    assert "sharded as 3 groups: 2 x LlamaDecoderLayer and the root" in done.stdout
+    assert sorted(losses(tmp_path)) == [1, 2, 3]
+    bad = one_line_error(fullshard("train", "--hf-model", "no-such-model", "--data", str(corpus), *TINY))
+    assert "--hf-model: Unrecognized model identifier: no-such-model" in bad

@@ -33,11 +33,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from fullshard import checkpoint
-from fullshard.cli import launch
+from fullshard.cli import hf, launch
 from fullshard.cli.data import Corpus, default_corpus
 from fullshard.cli.launch import UserError
 from fullshard.fsdp1 import clip_grad_norm_, no_sync
-from fullshard.gpt import GPT, Block, GPTConfig, lm_loss
+from fullshard.gpt import GPT, Block, GPTConfig
+from fullshard.runtime import state_of
 from fullshard.wrap import MixedPrecision, ModuleWrapPolicy, ShardingStrategy, shard_model
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -73,6 +74,7 @@ class TrainConfig:
     checkpoint_every: int = 100
     resume: bool = False
     stop_at: int = 0
+    hf_model: str = ""
     progress: bool = True
 
     def model_config(self) -> GPTConfig:
@@ -144,6 +146,8 @@ HELP = {
     "checkpoint_every": "save a checkpoint every K steps (and at the end)",
     "resume": "continue from the latest complete checkpoint in --out (at any world size)",
     "stop_at": "stop after this step with a checkpoint (0: run all --steps), e.g. to fit a time slot; --resume continues",
+    "hf_model": "train a transformers causal LM instead: a model type (llama, gpt2, ...) sized by the flags above, "
+    "or a config.json (needs the [hf] extra; random init, no hub access)",
     "progress": "show the progress bar on rank 0",
 }
 
@@ -212,9 +216,17 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def build(cfg: TrainConfig, world_size: int, device: torch.device) -> tuple[GPT, torch.optim.Optimizer]:
+def build(cfg: TrainConfig, world_size: int, device: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(cfg.seed)
-    model = GPT(cfg.model_config())
+    model: torch.nn.Module
+    if cfg.hf_model:
+        model = hf.build_model(hf.build_config(cfg.hf_model, layers=cfg.layers, dim=cfg.dim, heads=cfg.heads,
+                                               seq_len=cfg.seq_len))
+        layer_class = hf.decoder_layer_class(model)
+        if cfg.activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # type: ignore[operator]
+    else:
+        model, layer_class = GPT(cfg.model_config()), Block
     strategy = cfg.strategy()
     mesh = None
     if cfg.replicate > 1:
@@ -224,7 +236,7 @@ def build(cfg: TrainConfig, world_size: int, device: torch.device) -> tuple[GPT,
         mesh = init_device_mesh(device.type, (cfg.replicate, world_size // cfg.replicate), mesh_dim_names=("replicate", "shard"))
     dtype = DTYPES[cfg.dtype]
     shard_model(
-        model, auto_wrap_policy=ModuleWrapPolicy({Block}), sharding_strategy=strategy, device_mesh=mesh,
+        model, auto_wrap_policy=ModuleWrapPolicy({layer_class}), sharding_strategy=strategy, device_mesh=mesh,
         mixed_precision=MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else None,
     )
     if cfg.reshard_after_forward != "auto":
@@ -233,7 +245,7 @@ def build(cfg: TrainConfig, world_size: int, device: torch.device) -> tuple[GPT,
     return model, opt
 
 
-def app_state(model: GPT, opt: torch.optim.Optimizer, step: int) -> dict[str, Any]:
+def app_state(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> dict[str, Any]:
     return {
         "model": get_model_state_dict(model),
         "optim": get_optimizer_state_dict(model, opt),
@@ -244,6 +256,13 @@ def app_state(model: GPT, opt: torch.optim.Optimizer, step: int) -> dict[str, An
 def latest_checkpoint(out: Path) -> Path | None:
     found = [p for p in (out / "checkpoints").glob("step_*") if checkpoint.is_complete(p)]
     return max(found, key=lambda p: int(p.name.split("_")[1])) if found else None
+
+
+def causal_lm_loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Next-byte cross-entropy for our GPT (logits) and transformers models (an output with ``.logits``)."""
+    out = model(tokens[:, :-1])
+    logits = getattr(out, "logits", out)
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
 
 
 def global_mean(value: torch.Tensor) -> float:
@@ -295,7 +314,9 @@ def worker(rank: int, world_size: int, cfg: TrainConfig) -> None:
 
     def evaluate() -> float:
         with torch.no_grad():
-            losses = [lm_loss(model, local_rows("eval", i, m)) for i in range(cfg.eval_batches) for m in range(cfg.grad_accum)]
+            losses = [
+                causal_lm_loss(model, local_rows("eval", i, m)) for i in range(cfg.eval_batches) for m in range(cfg.grad_accum)
+            ]
         return global_mean(torch.stack(losses).mean())
 
     progress = None
@@ -317,7 +338,7 @@ def worker(rank: int, world_size: int, cfg: TrainConfig) -> None:
         for micro in range(cfg.grad_accum):
             last = micro == cfg.grad_accum - 1
             with no_sync(model) if not last else contextlib.nullcontext():
-                loss = lm_loss(model, local_rows("train", step, micro)) / cfg.grad_accum
+                loss = causal_lm_loss(model, local_rows("train", step, micro)) / cfg.grad_accum
                 loss.backward()
             total += loss.detach()
         if cfg.clip > 0:
@@ -362,7 +383,7 @@ def _write_metrics(out: Path, metrics: list[dict[str, Any]], start: int) -> None
 
 
 def _summary(
-    cfg: TrainConfig, corpus: Corpus, model: GPT, metrics: list[dict[str, Any]], per_rank: list[dict[str, int]],
+    cfg: TrainConfig, corpus: Corpus, model: torch.nn.Module, metrics: list[dict[str, Any]], per_rank: list[dict[str, int]],
     timed: list[float], tokens_per_step: int, saved: Path | None, out: Path,
 ) -> str:
     n_params = sum(p.numel() for p in model.parameters())
@@ -371,8 +392,12 @@ def _summary(
     ranks = ", ".join(f"{sum(m.values()) / mib:.2f}" for m in per_rank)
     lines = ["fullshard train: done"]
     lines.append(f"  data: {corpus.path} ({len(corpus.train)} training bytes, {len(corpus.eval)} held out)")
-    lines.append(f"  model: GPT {cfg.layers} layers, width {cfg.dim}, {cfg.heads} heads, sequence {cfg.seq_len}: "
+    kind = type(model).__mro__[2].__name__ if cfg.hf_model else "GPT"  # FSDP<Class> -> Class
+    lines.append(f"  model: {kind} {cfg.layers} layers, width {cfg.dim}, {cfg.heads} heads, sequence {cfg.seq_len}: "
                  f"{n_params:,} parameters; {len(per_rank)} ranks, {cfg.strategy().name.lstrip('_')}, {cfg.dtype}")
+    groups = [type(m).__mro__[2].__name__ for m in model.modules() if (st := state_of(m)) is not None and m is st.modules[0]]
+    layer_names = sorted(set(groups[1:]))
+    lines.append(f"  sharded as {len(groups)} groups: {len(groups) - 1} x {', '.join(layer_names) or '-'} and the root")
     if metrics:
         evals = [m["eval_loss"] for m in metrics if "eval_loss" in m]
         lines.append(f"  loss: {metrics[0]['loss']:.4f} at step {metrics[0]['step']} -> {metrics[-1]['loss']:.4f} at step "
