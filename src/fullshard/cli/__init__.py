@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from fullshard.cli import bench, convert, train
+from fullshard.cli import bench, convert, launch, train
 from fullshard.cli.launch import UserError
 
 
@@ -21,7 +22,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return int(args.run(args) or 0)
+        code = int(args.run(args) or 0)
     except (FileNotFoundError, ValueError, UserError) as err:
         print(f"fullshard {args.command}: error: {err}", file=sys.stderr)
-        return 2
+        code = 2
+    if launch.under_launcher() and args.command in ("train", "bench"):
+        # A torchrun rank: skip interpreter finalisation, where the process group's C++
+        # threads can abort the process after the work is done (see launch._local_rank).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code

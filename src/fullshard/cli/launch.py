@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import sys
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -82,6 +83,7 @@ def _local_rank(
         torch.cuda.set_device(rank % torch.cuda.device_count())
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo", store=store, rank=rank, world_size=world_size)
+    code = 0
     try:
         worker(rank, world_size, *args)
         _teardown()
@@ -89,4 +91,11 @@ def _local_rank(
         errors.put(("user", str(err)))
     except BaseException:
         errors.put(("crash", traceback.format_exc()))
-        raise SystemExit(1) from None
+        code = 1
+    # Leave without interpreter finalisation: destroying the process group's and the
+    # store's C++ threads during shutdown can abort ("terminate called without an
+    # active exception") after the work is done. Everything this rank reports is
+    # already written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
