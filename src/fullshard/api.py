@@ -6,7 +6,7 @@ import functools
 import logging
 import types
 from collections.abc import Callable
-from typing import Any, NoReturn, overload
+from typing import Any, NoReturn, cast, overload
 
 import torch
 import torch.distributed as dist
@@ -28,7 +28,7 @@ from fullshard.policy import (
     validate_mp_policy,
     validate_offload_policy,
 )
-from fullshard.runtime import ShardState, state_of
+from fullshard.runtime import ShardState, state_of, states_in
 from fullshard.state_dict import register_state_dict_hooks
 
 log = logging.getLogger("fullshard")
@@ -278,6 +278,9 @@ class FSDPModule:
         obj.__init__(*args, **kwargs)
         return obj
 
+    def _as_module(self) -> nn.Module:
+        return cast(nn.Module, self)  # FSDP<Class> is always an nn.Module subclass
+
     def _get_shard_state(self) -> ShardState:
         state = state_of(self)
         if state is None:
@@ -307,40 +310,31 @@ class FSDPModule:
         """Whether to free the unsharded parameters after forward (for this module and, with ``recurse``, below)."""
         if not isinstance(reshard_after_forward, bool):
             raise ValueError(f"reshard_after_forward should be a bool, got {type(reshard_after_forward).__name__}")
-        for state in self._states_below(recurse):
+        for state in states_in(self._as_module(), recurse):
             state.reshard_after_forward = reshard_after_forward
             state.reshard_after_forward_arg = reshard_after_forward
             if state.group is not None:
                 state.group.set_post_forward_group(None)
-
-    def _states_below(self, recurse: bool) -> list[ShardState]:
-        modules = self.modules() if recurse else [self]  # type: ignore[attr-defined]
-        states: list[ShardState] = []
-        for mod in modules:
-            state = state_of(mod)
-            if state is not None and state not in states:
-                states.append(state)
-        return states
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """``False``: backward keeps the unsharded gradients (no communication) to add to a later synced backward.
 
         The equivalent of FSDP1's ``no_sync()``; for HSDP it skips the all-reduce too.
         """
-        for state in self._states_below(recurse):
+        for state in states_in(self._as_module(), recurse):
             state.requires_gradient_sync = requires_gradient_sync
             if state.group is not None:
                 state.group.requires_all_reduce = requires_gradient_sync
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: ``False`` reduce-scatters but keeps the per-replica sums, all-reduced by a later backward."""
-        for state in self._states_below(recurse):
+        for state in states_in(self._as_module(), recurse):
             if state.group is not None:
                 state.group.requires_all_reduce = requires_all_reduce
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """``False`` keeps the unsharded parameters after backward (saves the next forward's all-gather)."""
-        for state in self._states_below(recurse):
+        for state in states_in(self._as_module(), recurse):
             state.reshard_after_backward = reshard_after_backward
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
@@ -382,7 +376,7 @@ class FSDPModule:
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
         """Reduce zeros for trainable parameters that got no gradient, so ranks whose control flow used
         different parameters (mixture of experts) still issue matching collectives."""
-        for state in self._states_below(recurse):
+        for state in states_in(self._as_module(), recurse):
             if state.group is not None:
                 state.group.reduce_unused_params = reduce_scatter_unused_params
 
@@ -401,7 +395,7 @@ class FSDPModule:
         Collective: every rank of the mesh must call it together.
         """
         created: dict[tuple[int, ...], dist.ProcessGroup] = {}
-        for state in self._states_below(recurse):
+        for state in states_in(self._as_module(), recurse):
             group = state.group
             if group is None or group.mesh_info.shard_group is None:
                 continue

@@ -13,23 +13,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from fullshard.group import ParamGroup
 from fullshard.param import full_tensor
-from fullshard.runtime import ShardState, TrainingState, state_of
-
-
-def _states(model: nn.Module) -> list[ShardState]:
-    states: list[ShardState] = []
-    for module in model.modules():
-        state = state_of(module)
-        if state is not None and state not in states:
-            states.append(state)
-    return states
-
-
-def _groups(model: nn.Module) -> list[ParamGroup]:
-    return [s.group for s in _states(model) if s.group is not None]
-
+from fullshard.runtime import TrainingState, states_in
 
 # ---- summon_full_params --------------------------------------------------------------------------
 
@@ -58,7 +43,7 @@ def summon_full_params(
             "summon_full_params: rank0_only=True and writeback=True cannot be combined (ranks other than 0 "
             "have no full parameters to write back); pass writeback=False"
         )
-    states = _states(model)
+    states = states_in(model)
     busy = [s.label for s in states if s.training_state is not TrainingState.IDLE]
     if busy or any(s.ctx is not None and s.ctx.end_of_backward_queued for s in states):
         raise ValueError(f"summon_full_params cannot run inside forward or backward (busy: {busy or 'backward'})")
@@ -107,7 +92,7 @@ def no_sync(model: nn.Module) -> Iterator[None]:
     The same as ``set_requires_gradient_sync(False)`` for the duration; the
     first backward after the context reduces everything accumulated.
     """
-    states = _states(model)
+    states = states_in(model)
     saved = [(s.requires_gradient_sync, s.group.requires_all_reduce if s.group else True) for s in states]
     for state in states:
         state.requires_gradient_sync = False
@@ -228,7 +213,7 @@ def register_comm_hook(model: nn.Module, state: Any, hook: Callable[[Any, torch.
     FSDP1's hooks (``torch.distributed.algorithms._comm_hooks.default_hooks``)
     follow the same convention, so they work too. Not supported with HSDP.
     """
-    for group in _groups(model):
+    for group in (s.group for s in states_in(model) if s.group is not None):
         if group.mesh_info.replicate_group is not None:
             raise NotImplementedError("register_comm_hook is not supported with HSDP (2-D meshes)")
         group.comm_hook = (state, hook)

@@ -68,6 +68,16 @@ def state_of(module: object) -> ShardState | None:
     return state if isinstance(state, ShardState) else None
 
 
+def states_in(module: nn.Module, recurse: bool = True) -> list[ShardState]:
+    """The states of ``module`` and (with ``recurse``) of its submodules, each once, in module order."""
+    states: list[ShardState] = []
+    for mod in module.modules() if recurse else [module]:
+        state = state_of(mod)
+        if state is not None and state not in states:
+            states.append(state)
+    return states
+
+
 def in_backward() -> bool:
     """True while the autograd engine runs a backward (e.g. checkpoint recomputation)."""
     return torch._C._current_graph_task_id() != -1

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from fullshard.group import ParamGroup
 from fullshard.param import ShardedParam, full_tensor
-from fullshard.runtime import state_of
+from fullshard.runtime import states_in
 
 
 def register_state_dict_hooks(group: ParamGroup) -> None:
@@ -151,7 +151,9 @@ def load_full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, f
     names = _param_names(model)
     params = _optim_params(optim)
     by_name = {names[p]: p for p in params}
-    managed: dict[torch.Tensor, ShardedParam] = {p.sharded: p for group in _groups_of(model) for p in group.params}
+    managed: dict[torch.Tensor, ShardedParam] = {
+        p.sharded: p for state in states_in(model) if state.group is not None for p in state.group.params
+    }
     full_osd = _broadcast_from_rank0(full_osd, device=_comm_device())
     unknown = sorted(set(full_osd["state"]) - set(by_name))
     if unknown:
@@ -261,12 +263,3 @@ def rekey_optim_state_dict(
             f"optimizer state key {err.args[0]!r} is not a parameter {expected} of this model; "
             "is the state dict already keyed that way?"
         ) from None
-
-
-def _groups_of(model: nn.Module) -> list[ParamGroup]:
-    groups = []
-    for module in model.modules():
-        state = state_of(module)
-        if state is not None and state.group is not None and state.group not in groups:
-            groups.append(state.group)
-    return groups
