@@ -16,7 +16,7 @@ from torch.distributed.fsdp import UnshardHandle as _TorchUnshardHandle
 from torch.distributed.tensor import DTensor, Shard
 
 from fullshard.collectives import CommStreams
-from fullshard.errors import AlreadyShardedError
+from fullshard.errors import AlreadyShardedError, UnsupportedError, UsageError
 from fullshard.group import ParamGroup
 from fullshard.layout import ParamLayout
 from fullshard.mesh import MeshInfo, mesh_device, post_forward_group, resolve_mesh
@@ -95,7 +95,7 @@ def fully_shard(
     reshard_after_forward, post_forward_size = _resolve_reshard_after_forward(reshard_after_forward, mesh_info)
 
     managed = _managed_modules(modules)
-    owned_elsewhere = _params_of_descendant_groups(modules)
+    sharded_elsewhere = _sharded_params_of_groups_below(modules)
     ignored = set(ignored_params or ())
     sites: dict[nn.Parameter, list[ParamSite]] = {}
     fqns: dict[nn.Parameter, str] = {}
@@ -104,11 +104,11 @@ def fully_shard(
             if param in ignored:
                 continue
             fqn = f"{prefix}.{name}" if prefix else name
-            if param in owned_elsewhere:
+            if param in sharded_elsewhere:
                 raise ValueError(
-                    f"parameter {fqn!r} is already sharded by fully_shard on {owned_elsewhere[param]!r}; "
-                    "a shared parameter must be sharded in one group: call fully_shard on a module "
-                    "that contains every module using it"
+                    f"parameter {fqn!r} is the sharded parameter of {sharded_elsewhere[param]!r}, already managed "
+                    "by another fully_shard group; a shared parameter must be sharded in one group: tie it before "
+                    "fully_shard, and call fully_shard on a module that contains every module using it"
                 )
             if param not in sites:
                 fqns[param] = fqn
@@ -172,8 +172,8 @@ def _validate_modules(module: nn.Module | list[nn.Module]) -> list[nn.Module]:
             )
         if state_of(mod) is not None:
             raise AlreadyShardedError(
-                f"fully_shard has already been applied to this {type(mod).__mro__[2].__name__}; "
-                "each module can be sharded once (shard children first, then the root)"
+                f"fully_shard has already been applied to this {original_class(mod).__name__}. Each distinct "
+                "composable distributed API can only be applied to a module once. Shard children first, then the root."
             )
     return modules
 
@@ -196,17 +196,20 @@ def _managed_modules(modules: list[nn.Module]) -> list[tuple[str, nn.Module]]:
     return managed
 
 
-def _params_of_descendant_groups(modules: list[nn.Module]) -> dict[torch.Tensor, str]:
+def _sharded_params_of_groups_below(modules: list[nn.Module]) -> dict[torch.Tensor, str]:
+    """Sharded parameters of groups already formed under ``modules``, by their qualified names.
+
+    Such a parameter reached from a module outside its group was tied after
+    ``fully_shard``. An *original* parameter shared with another group (a tie
+    made before) is caught at lazy init, for every root, as FSDP2 does.
+    """
     owned: dict[torch.Tensor, str] = {}
     for top in modules:
         for name, mod in top.named_modules():
             state = state_of(mod)
             if state is not None and state.group is not None:
                 for p in state.group.params:
-                    owned[p.sharded] = name
-                    original = p.original_ref()
-                    if original is not None:
-                        owned[original] = name
+                    owned[p.sharded] = f"{name}.{p.sites[0].name}" if name else p.sites[0].name
     return owned
 
 
@@ -219,6 +222,11 @@ def _check_params(params: list[nn.Parameter], fqns: dict[nn.Parameter, str], dev
             )
         if p.dim() == 0:
             raise ValueError(f"fully_shard doesn't support scalar parameters. Change {fqn} to a 1D tensor with numel equal to 1.")
+        if not p.is_contiguous():
+            raise UnsupportedError(
+                f"FSDP does not support non-contiguous parameters yet: {fqn!r} has shape {tuple(p.shape)} and stride "
+                f"{p.stride()}; make it contiguous before fully_shard (e.g. module.to(memory_format=torch.contiguous_format))"
+            )
         if p.device.type != "meta":
             check_param_device(fqn, p.device, device)
     devices = {p.device.type == "meta" for p in params}
@@ -256,14 +264,18 @@ def _layout(
     elif isinstance(placement, Shard):
         dim = placement.dim if placement.dim >= 0 else placement.dim + param.dim()
         if not 0 <= dim < param.dim():
-            raise ValueError(f"shard_placement_fn returned {placement} for {fqn!r} with shape {tuple(param.shape)}")
+            raise UsageError(
+                f"Shard dim {placement.dim} is invalid for {param.dim()}D tensor: shard_placement_fn returned "
+                f"{placement} for {fqn!r} with shape {tuple(param.shape)}"
+            )
     else:
         raise TypeError(f"shard_placement_fn must return a Shard or None, got {placement!r} for {fqn!r}")
     layout = ParamLayout(tuple(param.shape), dim, mesh_info.shard_size)
     if dim != 0 and not layout.is_even:
-        raise ValueError(
-            f"sharding {fqn!r} on dim {dim} needs its size {layout.dim_size} to be divisible by the "
-            f"shard world size {mesh_info.shard_size}; shard it on dim 0 (padding is supported there)"
+        raise UnsupportedError(
+            f"FSDP does not support uneven sharding on dim {dim}: sharding {fqn!r} on dim {dim} needs its size "
+            f"{layout.dim_size} to be divisible by the shard world size {mesh_info.shard_size}; shard it on dim 0 "
+            "(padding is supported there)"
         )
     return layout
 
@@ -273,7 +285,9 @@ class FSDPModule:
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         # Containers build `type(self)(...)` when sliced; build the original class instead.
-        orig_cls: Any = cls.__mro__[2]
+        orig_cls: Any = getattr(cls, "_fullshard_original_class", None)
+        if orig_cls is None:
+            raise TypeError(f"{cls.__name__} cannot be instantiated: fully_shard makes FSDP classes of existing modules")
         obj = orig_cls.__new__(orig_cls)
         obj.__init__(*args, **kwargs)
         return obj
@@ -451,7 +465,7 @@ class FSDPModule:
         return result
 
     def __deepcopy__(self, memo: dict[int, Any]) -> NoReturn:
-        raise AssertionError("fullshard modules do not support deepcopy; save and load a state dict instead")
+        raise AssertionError("FSDP does not support deepcopy: copy the model before fully_shard, or save and load a state dict")
 
 
 class UnshardHandle(_TorchUnshardHandle):
@@ -510,8 +524,13 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 _fsdp_classes: dict[type, type] = {}
 
 
+def original_class(module: nn.Module) -> type:
+    """The class ``module`` had before ``fully_shard`` (``Linear`` for ``FSDPLinear``)."""
+    return cast(type, getattr(type(module), "_fullshard_original_class", type(module)))
+
+
 def _become_fsdp_module(module: nn.Module) -> None:
     cls = type(module)
     if cls not in _fsdp_classes:
-        _fsdp_classes[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+        _fsdp_classes[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"_fullshard_original_class": cls})
     module.__class__ = _fsdp_classes[cls]

@@ -6,7 +6,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum, auto
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -14,9 +14,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fullshard.collectives import CommStreams, PendingCollective, all_gather, all_reduce, reduce_scatter
+from fullshard.errors import MetaParameterError
 from fullshard.layout import GroupLayout, ParamLayout
 from fullshard.mesh import MeshInfo
-from fullshard.param import ShardedParam
+from fullshard.param import ShardedParam, full_tensor
 
 
 class ShardedState(Enum):
@@ -144,10 +145,56 @@ class ParamGroup:
     def check_materialized(self) -> None:
         if self.on_meta:
             names = ", ".join(p.fqn for p in self.params)
-            raise ValueError(
+            raise MetaParameterError(
                 f"parameters of {self.label or 'the module'} are still on the meta device ({names}); call "
                 "model.to_empty(device=...) and initialise them (e.g. reset_parameters()) before the first forward"
             )
+
+    @torch.no_grad()
+    def adopt_reassigned(self) -> None:
+        """Take over parameters assigned to a module after ``fully_shard`` (at lazy init).
+
+        ``module.weight = nn.Parameter(value)`` replaces the registered sharded
+        parameter, e.g. a weight norm computed once the other groups hold real
+        values. ``value`` (a full tensor or a DTensor) becomes the parameter's
+        shard: the sharded parameter object is swapped onto it in place and the
+        flat shard buffer rebuilt around it, on its device (the group may have
+        been on the meta device until then).
+        """
+        if self.state is not ShardedState.SHARDED:
+            return
+        swapped = False
+        for p in self.params:
+            for site in p.sites:
+                value = site.module._parameters.get(site.name)
+                if value is None or value is p.sharded or value is p.unsharded:
+                    continue
+                if tuple(value.shape) != p.layout.shape:
+                    raise ValueError(
+                        f"parameter {p.fqn!r} was re-assigned after fully_shard with shape {tuple(value.shape)}; "
+                        f"it was sharded with shape {p.layout.shape}"
+                    )
+                if not isinstance(value, DTensor):
+                    # It cannot become a DTensor in place, and an optimizer built since may hold it.
+                    raise ValueError(
+                        f"parameter {p.fqn!r} was re-assigned after fully_shard with a plain tensor; assign a DTensor "
+                        "(e.g. computed from the sharded parameters, or distribute_tensor(value, mesh, [Shard(0)])), "
+                        "load the value with load_state_dict (full tensors are accepted), or assign it before fully_shard"
+                    )
+                if value.placements == p.sharded.placements and value.device_mesh == p.sharded.device_mesh:
+                    local = value.to_local()
+                else:
+                    local = p.local_part(full_tensor(value))
+                if not self.on_meta:  # keep the buffer where it is; a meta group moves to the value's device
+                    local = local.to(self.flat_shard.device, self.flat_shard.dtype)
+                # The assigned object stays the sharded parameter (an optimizer built since holds it).
+                replacement = nn.Parameter(p.as_dtensor_of(local.detach()), requires_grad=value.requires_grad)
+                torch.utils.swap_tensors(value, replacement)
+                p.sharded = cast(DTensor, value)
+                swapped = True
+            p.register(p.sharded)
+        if swapped:
+            self.relink()
 
     @torch.no_grad()
     def relink(self) -> None:

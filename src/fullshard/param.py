@@ -45,6 +45,30 @@ def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
+# Original parameters sharded so far in this process, by id. Entries are weak both
+# ways: the original's memory is freed once the modules drop it, an id reused by a
+# later tensor does not match the dead reference, and a claim made by a group that
+# no longer exists (a fully_shard call that failed) does not count.
+_claims: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[ShardedParam]]] = {}
+
+
+def _claim_original(original: torch.Tensor, claimant: ShardedParam) -> ShardedParam | None:
+    """Record that ``claimant`` shards ``original``; return the live earlier claimant, if any."""
+    key = id(original)
+    earlier = None
+    entry = _claims.get(key)
+    if entry is not None and entry[0]() is original:
+        earlier = entry[1]()
+    if earlier is None:
+        def forget(_: object, key: int = key) -> None:
+            if _claims.get(key) is entry_now:
+                del _claims[key]
+
+        entry_now = (weakref.ref(original, forget), weakref.ref(claimant))
+        _claims[key] = entry_now
+    return earlier
+
+
 class ShardedParam:
     """Holds the sharded and unsharded parameter of one original parameter.
 
@@ -63,9 +87,9 @@ class ShardedParam:
         self.layout = layout
         self.mesh_info = mesh_info
         self.orig_dtype = original.dtype
-        # Weak: the original's memory must be freed once the modules drop it, but a
-        # module outside this group that still holds it (a broken tie) must be detected.
-        self.original_ref = weakref.ref(original)
+        # Another group that sharded the same original (a tie across fully_shard calls);
+        # an error at lazy init, before the two copies could train apart.
+        self.shared_with = _claim_original(original, self)
         # Unsharded gradients kept across no-sync backwards when the reduce dtype differs.
         self.accumulated_grad: torch.Tensor | None = None
         self.sharded: DTensor = cast(DTensor, original)  # replaced by bind_shard

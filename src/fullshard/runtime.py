@@ -240,6 +240,10 @@ class ShardState:
                 for p in state.group.params:
                     prefix = module_names.get(p.sites[0].module, "")
                     p.fqn = f"{prefix}.{p.sites[0].name}" if prefix else p.sites[0].name
+        _check_no_shared_originals(states)
+        for state in states:
+            if state.group is not None:
+                state.group.adopt_reassigned()
         ctx = IterationContext(states, self.streams)
         for state in states:
             state.ctx = ctx
@@ -384,6 +388,22 @@ class ShardState:
             else:
                 self.group.accumulate_unsharded_grads()
         self.training_state = TrainingState.IDLE
+
+
+def _check_no_shared_originals(states: list[ShardState]) -> None:
+    """Raise if an original parameter was sharded by two groups (a tie across ``fully_shard`` calls).
+
+    Each group would train its own copy and the tie would silently break.
+    """
+    for state in states:
+        for p in state.group.params if state.group is not None else ():
+            first = p.shared_with
+            if first is not None:
+                raise ValueError(
+                    f"Parameter {p.fqn!r} is shared with {first.fqn!r}, a parameter already managed by another "
+                    "fully_shard group, so the two groups would train two copies of it. Shard every module using "
+                    "a tied parameter in one fully_shard call (a common ancestor, or a list of the modules)"
+                )
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:

@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, DataParallelMeshDims, MixedPrecision, ShardingStrategy
 from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
 
-from fullshard.api import fully_shard
+from fullshard.api import fully_shard, original_class
 from fullshard.mesh import default_device_type
 from fullshard.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from fullshard.runtime import BackwardPrefetchMode, state_of
@@ -201,7 +201,7 @@ def shard_model(
     ignored = set(ignored_modules or ())
     for name, module in model.named_modules():
         if state_of(module) is not None:
-            label = name or type(model).__mro__[2].__name__  # FSDP<Class> -> Class
+            label = name or original_class(model).__name__
             raise ValueError(f"shard_model: module {label!r} is already sharded; shard a model once")
     mesh_kwargs, reshard = _mesh_and_resharding(sharding_strategy, device_mesh)
     common: dict[str, Any] = {

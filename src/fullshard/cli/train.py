@@ -33,6 +33,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from fullshard import checkpoint
+from fullshard.api import original_class
 from fullshard.cli import hf, launch
 from fullshard.cli.data import Corpus, default_corpus
 from fullshard.cli.launch import UserError
@@ -392,10 +393,10 @@ def _summary(
     ranks = ", ".join(f"{sum(m.values()) / mib:.2f}" for m in per_rank)
     lines = ["fullshard train: done"]
     lines.append(f"  data: {corpus.path} ({len(corpus.train)} training bytes, {len(corpus.eval)} held out)")
-    kind = type(model).__mro__[2].__name__ if cfg.hf_model else "GPT"  # FSDP<Class> -> Class
+    kind = original_class(model).__name__ if cfg.hf_model else "GPT"
     lines.append(f"  model: {kind} {cfg.layers} layers, width {cfg.dim}, {cfg.heads} heads, sequence {cfg.seq_len}: "
                  f"{n_params:,} parameters; {len(per_rank)} ranks, {cfg.strategy().name.lstrip('_')}, {cfg.dtype}")
-    groups = [type(m).__mro__[2].__name__ for m in model.modules() if (st := state_of(m)) is not None and m is st.modules[0]]
+    groups = [original_class(m).__name__ for m in model.modules() if (st := state_of(m)) is not None and m is st.modules[0]]
     layer_names = sorted(set(groups[1:]))
     lines.append(f"  sharded as {len(groups)} groups: {len(groups) - 1} x {', '.join(layer_names) or '-'} and the root")
     if metrics:
