@@ -18,6 +18,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fullshard.param import full_tensor
+
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
 
@@ -37,7 +39,8 @@ class Trace:
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    """The full tensor on CPU (also for CPU-offloaded shards of an accelerator mesh)."""
+    return (full_tensor(t) if isinstance(t, DTensor) else t).cpu()
 
 
 def full_grads(model: nn.Module) -> dict[str, torch.Tensor | None]:

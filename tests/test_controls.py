@@ -9,6 +9,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fullshard import FSDPModule, fully_shard, register_fsdp_forward_method
+from fullshard.runtime import state_of, states_in
 from tests.comm import CommRecorder
 from tests.harness import run_ranks
 from tests.models import MLP, Transformer, lm_loss, mse_loss
@@ -178,16 +179,18 @@ def shard_with_comm_options(model: nn.Module) -> None:
     shard_transformer(model)
     model.set_reduce_scatter_max_input_buffers(3)
     model.set_separate_reduce_scatter_group()
-    model.set_force_sum_reduction_for_comms(True)
+    model.blocks[0].set_force_sum_reduction_for_comms(True)
 
 
 def _comm_options(rank: int, world_size: int) -> None:
     _, model = run_parity(rank, world_size, Transformer, shard_with_comm_options, token_batch, lm_loss)
-    from fullshard.runtime import state_of
-
     group = state_of(model.blocks[0]).group
-    assert group.reduce_scatter_group is not None and group.reduce_scatter_group != group.mesh_info.shard_group
-    assert state_of(model).ctx.max_reduces_in_flight == 3
+    settings = group.reducer.settings
+    assert settings.reduce_scatter_group is not None and settings.reduce_scatter_group != group.mesh_info.shard_group
+    assert settings.force_sum_reduction and not state_of(model.blocks[1]).group.reducer.settings.force_sum_reduction
+    assert all(s.group.reducer.settings.max_inputs_in_flight == 3 for s in states_in(model))
+    model.blocks[0].set_reduce_scatter_max_input_buffers(2, recurse=False)  # this group only
+    assert [s.group.reducer.settings.max_inputs_in_flight for s in states_in(model)] == [3, 2, 3]
     with pytest.raises(TypeError, match="max_input_buffers must be an int, got bool"):
         model.set_reduce_scatter_max_input_buffers(True)
     with pytest.raises(ValueError, match="max_input_buffers must be a positive int, got 0"):

@@ -108,7 +108,7 @@ def _no_sync(rank: int, world_size: int) -> None:
             raise RuntimeError("inside")
     from fullshard.runtime import state_of
 
-    assert all(state_of(m).requires_gradient_sync for m in (model, *model.blocks))  # restored by finally
+    assert all(state_of(m).group.reducer.settings.requires_gradient_sync for m in (model, *model.blocks))  # restored
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -262,33 +262,6 @@ def test_zero_grad_set_to_none_false() -> None:
     run_ranks(2, _zero_grad_keep)
 
 
-# ---- non-contiguous parameters ------------------------------------------------------------------
-
-
-class Transposed(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.w = nn.Parameter(torch.randn(3, 7).t())  # (7, 3), column-major
-        self.out = nn.Linear(3, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(torch.tanh(x @ self.w))
-
-
-def shard_transposed(model: nn.Module) -> None:
-    fully_shard(model)
-
-
-def _non_contiguous(rank: int, world_size: int) -> None:
-    torch.manual_seed(0)
-    assert not Transposed().w.is_contiguous()
-    run_parity(rank, world_size, Transposed, shard_transposed, regression_batch, mse_loss)
-
-
-def test_non_contiguous_parameter() -> None:
-    run_ranks(2, _non_contiguous)
-
-
 # ---- ignored parameters ----------------------------------------------------------------------------
 
 

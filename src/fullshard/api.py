@@ -28,7 +28,8 @@ from fullshard.policy import (
     validate_mp_policy,
     validate_offload_policy,
 )
-from fullshard.runtime import ShardState, state_of, states_in
+from fullshard.reduce import ReduceSettings
+from fullshard.runtime import HookState, state_of, states_in
 from fullshard.state_dict import register_state_dict_hooks
 
 log = logging.getLogger("fullshard")
@@ -137,7 +138,7 @@ def fully_shard(
         if post_forward_size is not None:
             group.set_post_forward_group(post_forward_group(mesh_info, post_forward_size))
         register_state_dict_hooks(group)
-    ShardState(tuple(modules), group, device, reshard_after_forward, mp_policy, streams)
+    HookState(tuple(modules), group, device, reshard_after_forward, mp_policy, streams)
     for mod in modules:
         _become_fsdp_module(mod)
     return module
@@ -295,7 +296,7 @@ class FSDPModule:
     def _as_module(self) -> nn.Module:
         return cast(nn.Module, self)  # FSDP<Class> is always an nn.Module subclass
 
-    def _get_shard_state(self) -> ShardState:
+    def _get_hook_state(self) -> HookState:
         state = state_of(self)
         if state is None:
             raise AssertionError(f"no fullshard state on {type(self).__name__}")
@@ -303,7 +304,7 @@ class FSDPModule:
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this module's group. With ``async_op=True`` return a handle to wait on."""
-        state = self._get_shard_state()
+        state = self._get_hook_state()
         if state.ctx is None:
             state.lazy_init()
         if state.group is not None:
@@ -316,7 +317,7 @@ class FSDPModule:
 
     def reshard(self) -> None:
         """Free the unsharded parameters and register the sharded ones."""
-        state = self._get_shard_state()
+        state = self._get_hook_state()
         if state.group is not None:
             state.group.reshard()
 
@@ -333,18 +334,16 @@ class FSDPModule:
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """``False``: backward keeps the unsharded gradients (no communication) to add to a later synced backward.
 
-        The equivalent of FSDP1's ``no_sync()``; for HSDP it skips the all-reduce too.
+        The equivalent of FSDP1's ``no_sync()``; for HSDP it skips the all-reduce too. The setting of
+        :meth:`set_requires_all_reduce` is kept: a synced backward all-reduces when both are ``True``.
         """
-        for state in states_in(self._as_module(), recurse):
-            state.requires_gradient_sync = requires_gradient_sync
-            if state.group is not None:
-                state.group.requires_all_reduce = requires_gradient_sync
+        for settings in _reduce_settings(self._as_module(), recurse):
+            settings.requires_gradient_sync = requires_gradient_sync
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: ``False`` reduce-scatters but keeps the per-replica sums, all-reduced by a later backward."""
-        for state in states_in(self._as_module(), recurse):
-            if state.group is not None:
-                state.group.requires_all_reduce = requires_all_reduce
+        for settings in _reduce_settings(self._as_module(), recurse):
+            settings.requires_all_reduce = requires_all_reduce
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """``False`` keeps the unsharded parameters after backward (saves the next forward's all-gather)."""
@@ -353,18 +352,17 @@ class FSDPModule:
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """``False``: the next backward leaves its reductions in flight; the next last backward waits for all."""
-        state = self._get_shard_state()
+        state = self._get_hook_state()
         (state.ctx or state.lazy_init()).is_last_backward = is_last_backward
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """``False``: backward needs no parameter of this group (e.g. an embedding), so skip its all-gather."""
-        self._get_shard_state().unshard_in_backward = unshard_in_backward
+        self._get_hook_state().unshard_in_backward = unshard_in_backward
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide the summed gradients by ``factor`` instead of the data-parallel world size."""
-        group = self._get_shard_state().group
-        if group is not None:
-            group.divide_factor = float(factor)
+        for settings in _reduce_settings(self._as_module(), recurse=False):
+            settings.divide_factor = float(factor)
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """The older name of :meth:`set_gradient_divide_factor`."""
@@ -373,26 +371,29 @@ class FSDPModule:
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: object | None = None) -> None:
         """Call ``hook(reduced)`` on each reduced flat gradient (after the all-reduce with HSDP), in place.
 
-        ``stream`` is accepted for signature compatibility; the hook runs on the current stream.
+        On accelerators the hook runs on ``stream`` when given (ordered after the reduction, and the
+        rest of the post-reduce work after the hook), else on the stream doing the reduction. Not
+        with HSDP, whose all-reduce stream runs it.
         """
-        group = self._get_shard_state().group
+        group = self._get_hook_state().group
         if group is None:
             return
         if stream is not None and group.mesh_info.replicate_group is not None:
             raise ValueError("stream cannot be set when using native HSDP")
-        group.all_reduce_hook = hook
+        group.reducer.settings.all_reduce_hook = hook
+        group.reducer.settings.all_reduce_hook_stream = stream
 
     def set_post_optim_event(self, event: torch.Event) -> None:
-        """Make the root's next all-gathers also wait for ``event`` (recorded after the optimizer step)."""
-        state = self._get_shard_state()
+        """Order the root's next forward all-gathers after ``event`` (recorded after the optimizer step)
+        instead of after everything queued on the compute stream."""
+        state = self._get_hook_state()
         (state.ctx or state.lazy_init()).post_optim_event = event
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
         """Reduce zeros for trainable parameters that got no gradient, so ranks whose control flow used
         different parameters (mixture of experts) still issue matching collectives."""
-        for state in states_in(self._as_module(), recurse):
-            if state.group is not None:
-                state.group.reduce_unused_params = reduce_scatter_unused_params
+        for settings in _reduce_settings(self._as_module(), recurse):
+            settings.reduce_unused_params = reduce_scatter_unused_params
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
         """How many gradient reductions may be in flight before backward waits for the oldest (default 1)."""
@@ -400,8 +401,8 @@ class FSDPModule:
             raise TypeError(f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}")
         if max_input_buffers < 1:
             raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
-        state = self._get_shard_state()
-        (state.ctx or state.lazy_init()).max_reduces_in_flight = max_input_buffers
+        for settings in _reduce_settings(self._as_module(), recurse):
+            settings.max_inputs_in_flight = max_input_buffers
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
         """Reduce-scatter on a process group of its own, so it can progress while an all-gather runs.
@@ -414,15 +415,20 @@ class FSDPModule:
             if group is None or group.mesh_info.shard_group is None:
                 continue
             if not enable:
-                group.reduce_scatter_group = None
+                group.reducer.settings.reduce_scatter_group = None
                 continue
             ranks = tuple(dist.get_process_group_ranks(group.mesh_info.shard_group))
             if ranks not in created:
                 created[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
-            group.reduce_scatter_group = created[ranks]
+            group.reducer.settings.reduce_scatter_group = created[ranks]
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
-        """Accepted for compatibility: fullshard's collectives always sum and scale separately."""
+        """Reduce with ``ReduceOp.SUM`` and a separate division only (no ``AVG``), e.g. for zero-copy NCCL.
+
+        Without it, NCCL reductions whose divide factor is the data-parallel size use ``AVG``.
+        """
+        for settings in _reduce_settings(self._as_module(), recurse=False):
+            settings.force_sum_reduction = enable
 
     def set_custom_all_gather(self, comm: object) -> None:
         """Not supported: fullshard all-gathers its flat shard buffers itself."""
@@ -442,21 +448,21 @@ class FSDPModule:
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """All-gather these modules' groups when this module's forward starts (replaces the implicit next one)."""
-        self._get_shard_state().forward_prefetch = _states_of(modules)
+        self._get_hook_state().forward_prefetch = _states_of(modules)
 
     def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
         """All-gather these modules' groups when this module's backward starts (replaces the implicit previous one)."""
-        self._get_shard_state().backward_prefetch = _states_of(modules)
+        self._get_hook_state().backward_prefetch = _states_of(modules)
 
     def reset_iter_state(self) -> None:
         """Recover from a forward or backward that raised; the root does this by itself at its next forward."""
-        state = self._get_shard_state()
+        state = self._get_hook_state()
         if state.ctx is not None:
             state.ctx.recover()
 
     def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> Any:
         """``to()``, ``to_empty()``, ``float()``...: convert, then re-link the flat shard buffer (see ``ParamGroup.relink``)."""
-        state = self._get_shard_state()
+        state = self._get_hook_state()
         if state.group is not None:
             state.group.reshard()
         result = super()._apply(fn, recurse)  # type: ignore[misc]
@@ -474,7 +480,7 @@ class UnshardHandle(_TorchUnshardHandle):
     A subclass of torch's ``UnshardHandle``, so checks written for FSDP2 accept it.
     """
 
-    def __init__(self, state: ShardState) -> None:
+    def __init__(self, state: HookState) -> None:
         self._state = state
 
     def wait(self) -> None:
@@ -483,7 +489,11 @@ class UnshardHandle(_TorchUnshardHandle):
             group.wait_for_unshard()
 
 
-def _states_of(modules: list[FSDPModule]) -> list[ShardState]:
+def _reduce_settings(module: nn.Module, recurse: bool) -> list[ReduceSettings]:
+    return [s.group.reducer.settings for s in states_in(module, recurse) if s.group is not None]
+
+
+def _states_of(modules: list[FSDPModule]) -> list[HookState]:
     states = []
     for mod in modules:
         state = state_of(mod)

@@ -1,28 +1,58 @@
-"""All-gather and reduce-scatter over flat buffers, asynchronous on every device.
+"""All-gather, reduce-scatter and all-reduce over flat buffers, asynchronous on every device.
 
 [Note: Streams and lifetimes]
-One abstraction serves CUDA-like devices and CPU:
+On an accelerator each root owns three side streams (``CommStreams``):
+``all_gather``, ``reduce_scatter`` and ``all_reduce``. Who runs where, who
+orders whom, and how long each buffer lives:
 
-- Every tensor a collective touches is *allocated on the compute stream*,
-  before the communication stream is entered. The caching allocator then only
-  hands that memory out again in compute-stream order.
-- At issue time the communication stream waits for the compute stream (the
-  optimizer step and the allocations above come first), then the copy-in and
-  the collective are launched on it, so they overlap with compute.
-- ``wait()`` orders the *current* stream after the collective (NCCL) or blocks
-  the host until it is done (gloo), and only then drops the references the
-  pending handle held; freeing before that point would let the allocator reuse
-  memory the collective still reads or writes.
+All-gather (``all_gather`` / ``PendingCollective.wait``)
+- The all-gather stream waits for the compute stream *once per iteration*,
+  before the first all-gather after the root's pre-forward or after anything
+  wrote the flat shard buffers outside forward and backward (optimizer step,
+  state-dict load, writeback: ``CommStreams.shards_written``). An event given to
+  ``set_post_optim_event`` replaces that wait. Every later all-gather of the
+  iteration is issued without waiting for compute, so prefetches run as far
+  ahead as the prefetch depth allows.
+- The copy-in (cast to the compute dtype, or host-to-device for offloaded
+  shards), the all-gather input and output are allocated and written on the
+  all-gather stream. ``wait()`` makes the compute stream wait for the
+  collective; the copy-out into the unsharded buffer (allocated on the compute
+  stream) runs there, then ``release()`` records an event and drops the input
+  and output. Before its next allocation the all-gather stream waits for that
+  event, so the memory is reused only after the compute stream read it.
+- Host-to-device copies from pinned shards record ``h2d_done``; the host waits
+  for it at the end of backward and after a forward-only pass, before the
+  optimizer (or the user) can write into the pinned shards again.
 
-On CPU there are no streams: the same calls run inline and the collectives are
-asynchronous ``Work`` handles completed by gloo's threads.
+Reduce-scatter (``reduce_scatter`` and ``fullshard.reduce``)
+- The copy-in (pack the unsharded gradients rank-major, in the reduce dtype)
+  runs on the compute stream into an input allocated there; the unsharded
+  gradients are dropped right after, so they never outlive the copy-in.
+- The reduce-scatter stream waits for an event recorded after the copy-in,
+  allocates the output and runs the collective and everything after it: the
+  division, the HSDP all-reduce (on the all-reduce stream, which waits for the
+  reduce-scatter's event), the cast to the parameters' dtype, the copy to
+  pinned host memory for offloading, and the accumulation into existing sharded
+  gradients. Nothing of that is on the compute stream.
+- The input (compute-stream memory) is kept until the compute stream has
+  waited for the reduce-scatter's event: when more than the group's
+  ``max_inputs_in_flight`` reductions are in flight, or at the end of
+  backward. Outputs and all-reduce buffers are kept until the compute stream
+  has waited for the last post-reduce event, at the end of backward; that
+  wait is the only point where compute depends on gradient communication.
+
+On CPU (gloo) there are no streams: the same calls run inline, the
+collectives are asynchronous ``Work`` handles, and ``wait()`` blocks; the work
+after a reduce-scatter runs when the reduction is drained (the in-flight bound,
+or the end of backward), with the HSDP all-reduce issued then and waited at the
+end of backward.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,51 +61,105 @@ from torch.autograd.profiler import record_function
 
 
 class CommStreams:
-    """Side streams for all-gather and reduce-scatter; no-ops on CPU."""
+    """Side streams and the events that order them against the compute stream; no-ops on CPU."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._module = None if device.type == "cpu" else torch.get_device_module(device)
+        self._module: Any = None if device.type == "cpu" else torch.get_device_module(device)
         # High priority so communication kernels are not queued behind compute.
         self.all_gather = self._module.Stream(priority=-1) if self._module else None
         self.reduce_scatter = self._module.Stream(priority=-1) if self._module else None
+        self.all_reduce = self._module.Stream(priority=-1) if self._module else None
+        self._wait_for_compute = True  # the next all-gather must wait for the compute stream first
+        self._post_optim_event: Any = None  # replaces that wait, once
+        self._all_gather_released: Any = None  # compute read the last released all-gather buffers
+        self.h2d_done: Any = None  # the last host-to-device copy from pinned shards
 
-    def wait_event(self, event: torch.Event) -> None:
-        """Order the next all-gathers after ``event`` too (e.g. recorded after the optimizer step)."""
-        if self.all_gather is not None:
-            self.all_gather.wait_event(event)  # type: ignore[attr-defined]
+    @property
+    def on_accelerator(self) -> bool:
+        return self._module is not None
 
-    def host_sync(self) -> None:
-        """Block the host until the current stream's work (e.g. device-to-host copies) is done."""
-        if self._module is not None:
-            self._module.current_stream().synchronize()
+    def current(self) -> Any:
+        return self._module.current_stream() if self._module else None
+
+    def record(self, stream: Any = None) -> Any:
+        """An event on ``stream`` (default: the current one); None on CPU."""
+        if self._module is None:
+            return None
+        return (stream or self.current()).record_event()
+
+    def wait(self, event: Any, stream: Any = None) -> None:
+        """Order ``stream`` (default: the current one) after ``event``."""
+        if event is not None:
+            (stream or self.current()).wait_event(event)
+
+    def shards_written(self, post_optim_event: Any = None) -> None:
+        """The flat shard buffers were written on the compute stream (or ``post_optim_event`` marks when)."""
+        self._wait_for_compute = True
+        self._post_optim_event = post_optim_event
+
+    def host_wait(self, event: Any) -> None:
+        if event is not None:
+            event.synchronize()
 
     @contextlib.contextmanager
-    def issue_on(self, stream: object | None) -> Iterator[None]:
-        """Run the block on ``stream`` after everything already queued on the current stream."""
-        if self._module is None or stream is None:
+    def on(self, stream: Any) -> Iterator[None]:
+        """Run the block (its kernels and allocations) on ``stream``."""
+        if stream is None:
             yield
             return
-        stream.wait_stream(self._module.current_stream())  # type: ignore[attr-defined]
         with self._module.stream(stream):
             yield
+
+    @contextlib.contextmanager
+    def all_gather_stream(self) -> Iterator[None]:
+        """Enter the all-gather stream, ordered after the writes its inputs need and the memory it may reuse."""
+        stream = self.all_gather
+        if stream is not None:
+            if self._post_optim_event is not None:
+                stream.wait_event(self._post_optim_event)
+            elif self._wait_for_compute:
+                stream.wait_stream(self.current())
+            self._wait_for_compute = False
+            self._post_optim_event = None
+            self.wait(self._all_gather_released, stream)
+            self._all_gather_released = None
+        with self.on(stream):
+            yield
+
+    def all_gather_read(self) -> None:
+        """The compute stream has queued every read of the released all-gather buffers."""
+        self._all_gather_released = self.record()
 
 
 @dataclass
 class PendingCollective:
-    """An issued collective; ``wait()`` returns its output once it is safe to read."""
+    """An issued collective; ``wait()`` orders the current stream after it (or blocks, on CPU)."""
 
     work: dist.Work | None
     output: torch.Tensor
-    # Inputs (and the tensors they were packed from) stay referenced until wait().
-    keep_alive: tuple[object, ...]
+    # Buffers the collective reads or writes; kept until the caller releases them (see the Note).
+    buffers: tuple[torch.Tensor, ...] = ()
+    done: Any = None  # an event on the stream that issued it, recorded right after it
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
             self.work.wait()
             self.work = None
-        self.keep_alive = ()
         return self.output
+
+
+@dataclass
+class Buffers:
+    """References that must outlive the streams using them, released together (see the Note)."""
+
+    held: list[Any] = field(default_factory=list)
+
+    def keep(self, *items: Any) -> None:
+        self.held.extend(items)
+
+    def release(self) -> None:
+        self.held.clear()
 
 
 def _all_gather_single(*args: Any, **kwargs: Any) -> dist.Work | None:
@@ -105,46 +189,70 @@ def all_gather(
     """
     world_size = 1 if group is None else dist.get_world_size(group)
     needs_copy = flat_shard.dtype != dtype or flat_shard.device != device
-    inp = torch.empty(flat_shard.shape, dtype=dtype, device=device) if needs_copy else flat_shard
-    output = inp if world_size == 1 else torch.empty(world_size * flat_shard.numel(), dtype=dtype, device=device)
-    with record_function(f"fullshard::all_gather {label}"), streams.issue_on(streams.all_gather):
+    with record_function(f"fullshard::all_gather {label}"), streams.all_gather_stream():
+        inp = torch.empty(flat_shard.shape, dtype=dtype, device=device) if needs_copy else flat_shard
         if needs_copy:
             inp.copy_(flat_shard, non_blocking=True)
-        work = None if world_size == 1 else _all_gather_single(output, inp, group=group, async_op=True)
-    return PendingCollective(work, output, (inp,))
+            if flat_shard.device != device:
+                streams.h2d_done = streams.record()
+        output = inp if world_size == 1 else torch.empty(world_size * flat_shard.numel(), dtype=dtype, device=device)
+        work = None if world_size == 1 or inp.numel() == 0 else _all_gather_single(output, inp, group=group, async_op=True)
+    return PendingCollective(work, output, (inp, output))
 
 
 def reduce_scatter(
-    sources: list[torch.Tensor],
-    fill_input: Callable[[list[torch.Tensor], torch.Tensor], None],
-    shard_numel: int,
-    dtype: torch.dtype,
-    device: torch.device,
+    inp: torch.Tensor,
     group: dist.ProcessGroup | None,
     streams: CommStreams,
     label: str,
+    op: Any = None,
 ) -> PendingCollective:
-    """Sum a rank-major input across ranks, each rank keeping its own row.
+    """Sum a rank-major ``(world_size, shard_numel)`` input across ranks, each rank keeping its own row.
 
-    ``fill_input(sources, input)`` packs ``sources`` into the
-    ``(world_size, shard_numel)`` input on the reduce-scatter stream. Two ranks
-    with inputs ``[1, 2, 3, 4]`` and ``[5, 6, 7, 8]``: rank 0 receives
-    ``[6, 8]``, rank 1 ``[10, 12]``. The caller divides. A group of one rank
-    issues no collective.
+    Two ranks with inputs ``[1, 2, 3, 4]`` and ``[5, 6, 7, 8]``: rank 0 receives
+    ``[6, 8]``, rank 1 ``[10, 12]``. ``op`` is ``ReduceOp.SUM`` unless given
+    (``AVG`` divides by the world size inside the collective). Issued on the
+    current stream, which must be the reduce-scatter stream on accelerators. A
+    group of one rank issues no collective.
     """
     world_size = 1 if group is None else dist.get_world_size(group)
-    inp = torch.empty(world_size, shard_numel, dtype=dtype, device=device)
-    output = inp.view(-1) if world_size == 1 else torch.empty(shard_numel, dtype=dtype, device=device)
-    with record_function(f"fullshard::reduce_scatter {label}"), streams.issue_on(streams.reduce_scatter):
-        fill_input(sources, inp)
-        work = None
-        if world_size > 1:
-            work = _reduce_scatter_single(output, inp.view(-1), op=dist.ReduceOp.SUM, group=group, async_op=True)
-    return PendingCollective(work, output, (inp, sources))
+    with record_function(f"fullshard::reduce_scatter {label}"):
+        if world_size == 1 or inp.numel() == 0:
+            return PendingCollective(None, inp.view(-1) if world_size == 1 else inp.new_empty(0), (inp,), streams.record())
+        output = torch.empty(inp.shape[1], dtype=inp.dtype, device=inp.device)
+        work = _reduce_scatter_single(
+            output, inp.view(-1), op=dist.ReduceOp.SUM if op is None else op, group=group, async_op=True
+        )
+    return _ordered(PendingCollective(work, output, (inp, output)), streams)
 
 
-def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, streams: CommStreams, label: str) -> PendingCollective:
-    """Sum ``tensor`` in place across ``group`` (HSDP replicas): ``[1, 2]`` and ``[3, 4]`` both become ``[4, 6]``."""
-    with record_function(f"fullshard::all_reduce {label}"), streams.issue_on(streams.reduce_scatter):
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    return PendingCollective(work, tensor, ())
+def all_reduce(
+    tensor: torch.Tensor, group: dist.ProcessGroup, streams: CommStreams, label: str, op: Any = None
+) -> PendingCollective:
+    """Sum ``tensor`` in place across ``group`` (HSDP replicas): ``[1, 2]`` and ``[3, 4]`` both become ``[4, 6]``.
+
+    Issued on the current stream (the all-reduce stream on accelerators).
+    """
+    with record_function(f"fullshard::all_reduce {label}"):
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op is None else op, group=group, async_op=True)
+    return _ordered(PendingCollective(work, tensor, (tensor,)), streams)
+
+
+def _ordered(pending: PendingCollective, streams: CommStreams) -> PendingCollective:
+    """Accelerators: order the current (side) stream after the collective now and record ``done`` there, so
+    the work queued after it, and whoever waits for ``done``, see its result. CPU: left in flight."""
+    if streams.on_accelerator:
+        pending.wait()  # a stream-level wait for NCCL: the host does not block
+        pending.done = streams.record()
+    return pending
+
+
+def run_hook_on(streams: CommStreams, stream: Any, hook: Callable[[torch.Tensor], None], tensor: torch.Tensor) -> Any:
+    """Run ``hook(tensor)`` on ``stream`` (ordered after the current stream); return the event to wait for it."""
+    if stream is None or not streams.on_accelerator:
+        hook(tensor)
+        return None
+    stream.wait_stream(streams.current())
+    with streams.on(stream):
+        hook(tensor)
+        return streams.record()

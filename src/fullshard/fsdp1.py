@@ -13,7 +13,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from fullshard.param import full_tensor
 from fullshard.runtime import TrainingState, states_in
 
 # ---- summon_full_params --------------------------------------------------------------------------
@@ -51,35 +50,13 @@ def summon_full_params(
     if any(g.summoned for g in groups):
         raise ValueError("summon_full_params cannot be nested")
     keep_full = not rank0_only or dist.get_rank() == 0
-    for group in groups:
-        group.unshard()
-        group.summoned = True
     try:
         for group in groups:
-            for p in group.params:
-                full = p.unsharded
-                if with_grads and p.sharded.grad is not None:
-                    grad = p.sharded.grad
-                    full.grad = full_tensor(grad) if isinstance(grad, DTensor) else grad
-                if offload_to_cpu and keep_full:
-                    copy = nn.Parameter(full.detach().cpu(), requires_grad=full.requires_grad)
-                    copy.grad = None if full.grad is None else full.grad.cpu()
-                    p.register(copy)
-            if not keep_full:
-                group.reshard()
+            group.summon(keep_full=keep_full, offload_to_cpu=offload_to_cpu, with_grads=with_grads)
         yield
     finally:
         for group in groups:
-            if writeback:
-                for p in group.params:
-                    site = p.sites[0]
-                    current = site.module._parameters[site.name]
-                    if current is not None:
-                        p.adopt(current.detach())
-            for p in group.params:
-                p.unsharded.grad = None
-            group.reshard()
-            group.summoned = False
+            group.end_summon(writeback=writeback)
 
 
 # ---- no_sync -------------------------------------------------------------------------------------------
@@ -92,19 +69,15 @@ def no_sync(model: nn.Module) -> Iterator[None]:
     The same as ``set_requires_gradient_sync(False)`` for the duration; the
     first backward after the context reduces everything accumulated.
     """
-    states = states_in(model)
-    saved = [(s.requires_gradient_sync, s.group.requires_all_reduce if s.group else True) for s in states]
-    for state in states:
-        state.requires_gradient_sync = False
-        if state.group is not None:
-            state.group.requires_all_reduce = False
+    settings = [s.group.reducer.settings for s in states_in(model) if s.group is not None]
+    saved = [entry.requires_gradient_sync for entry in settings]
+    for entry in settings:
+        entry.requires_gradient_sync = False
     try:
         yield
     finally:
-        for state, (sync, all_reduce) in zip(states, saved):
-            state.requires_gradient_sync = sync
-            if state.group is not None:
-                state.group.requires_all_reduce = all_reduce
+        for entry, sync in zip(settings, saved):
+            entry.requires_gradient_sync = sync
 
 
 # ---- clip_grad_norm_ -----------------------------------------------------------------------------------
@@ -216,4 +189,4 @@ def register_comm_hook(model: nn.Module, state: Any, hook: Callable[[Any, torch.
     for group in (s.group for s in states_in(model) if s.group is not None):
         if group.mesh_info.replicate_group is not None:
             raise NotImplementedError("register_comm_hook is not supported with HSDP (2-D meshes)")
-        group.comm_hook = (state, hook)
+        group.reducer.settings.comm_hook = (state, hook)

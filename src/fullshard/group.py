@@ -2,22 +2,21 @@
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum, auto
-from typing import Any, cast
+from typing import cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fullshard.collectives import CommStreams, PendingCollective, all_gather, all_reduce, reduce_scatter
+from fullshard.collectives import CommStreams, PendingCollective, all_gather
 from fullshard.errors import MetaParameterError
 from fullshard.layout import GroupLayout, ParamLayout
 from fullshard.mesh import MeshInfo
-from fullshard.param import ShardedParam, full_tensor
+from fullshard.param import ShardedParam, full_tensor, rank_axis_view
+from fullshard.reduce import GradReducer
 
 
 class ShardedState(Enum):
@@ -52,23 +51,13 @@ class PostForwardShard:
     buffer: torch.Tensor
 
 
-@dataclass
-class PendingReduce:
-    """A gradient reduce-scatter in flight and what to do with its output."""
-
-    group: ParamGroup
-    params: list[ShardedParam]
-    layout: GroupLayout
-    collective: PendingCollective
-
-
 class ParamGroup:
     """The parameters of one ``fully_shard`` call.
 
     Owns the flat shard buffer (persistent), the unsharded buffer (allocated
     only between unshard and reshard) and moves between the states of
     :class:`ShardedState` through ``unshard`` / ``wait_for_unshard`` /
-    ``reshard``. Gradients leave through ``reduce_grads`` / ``finish_reduce``.
+    ``reshard``. Gradients leave through ``reducer`` (:class:`fullshard.reduce.GradReducer`).
     """
 
     def __init__(
@@ -93,22 +82,13 @@ class ParamGroup:
         self._policy_dtypes = (compute_dtype, reduce_dtype)
         self.compute_dtype = compute_dtype or orig_dtype
         self.reduce_dtype = reduce_dtype or self.compute_dtype
-        self._grad_layouts: dict[tuple[bool, ...], GroupLayout] = {}
         self._pending_all_gather: PendingCollective | None = None
         self._pending_layout = self.layout  # the layout the in-flight all-gather's output has
         self.post_forward: PostForwardShard | None = None
         # Where the flat shard and gradient buffers live: the device, or pinned CPU memory when offloading.
         self.shard_device = torch.device("cpu") if offload_to_cpu else device
         self.pin_memory = offload_to_cpu and pin_memory and device.type != "cpu"
-        # Gradient reduction settings (FSDPModule.set_* methods).
-        self.divide_factor: float | None = None
-        self.requires_all_reduce = True
-        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
-        self._partial_grads: dict[ShardedParam, torch.Tensor] = {}  # HSDP: reduce-scattered, not yet all-reduced
-        self.reduce_unused_params = False  # reduce zeros for trainable parameters that got no gradient
-        self.reduce_scatter_group: dist.ProcessGroup | None = None  # a separate group, else the shard group
-        # register_comm_hook: (state, hook(state, grad, output)) reducing in place of the reduce-scatter.
-        self.comm_hook: tuple[Any, Callable[[Any, torch.Tensor, torch.Tensor], None]] | None = None
+        self.reducer = GradReducer(self)  # gradient reduction and its settings
         self.summoned = False  # inside summon_full_params
 
         # Parameters on the meta device (deferred initialisation) get a meta flat shard
@@ -119,7 +99,7 @@ class ParamGroup:
                 self.layout.shard_numel, dtype=orig_dtype, device="meta" if on_meta else self.shard_device,
                 pin_memory=self.pin_memory and not on_meta,
             )
-            for p, original, chunk in zip(params, originals, self._split(self.flat_shard, self.layout)):
+            for p, original, chunk in zip(params, originals, self.split(self.flat_shard, self.layout)):
                 if not on_meta:
                     p.fill_shard(original.detach(), chunk)
                 p.bind_shard(chunk, requires_grad=original.requires_grad)
@@ -134,7 +114,7 @@ class ParamGroup:
         # not the version counter, so refilling the buffer in backward does not
         # look like an in-place change of tensors autograd saved in forward.
         alias = self.unsharded_buffer.data
-        for p, region in zip(self.params, self._split(alias, self.layout, unsharded=True)):
+        for p, region in zip(self.params, self.split(alias, self.layout, unsharded=True)):
             p.bind_unsharded(region)
         self._free_unsharded()
 
@@ -207,8 +187,9 @@ class ParamGroup:
         user references keep working.
         """
         self.reshard()
+        self.streams.shards_written()
         locals_ = [p.sharded.to_local() for p in self.params]
-        chunks = self._split(self.flat_shard, self.layout)
+        chunks = self.split(self.flat_shard, self.layout)
         if all(
             loc.dtype == self.flat_shard.dtype and loc.device == self.flat_shard.device
             and loc.untyped_storage().data_ptr() == self.flat_shard.untyped_storage().data_ptr()
@@ -219,7 +200,7 @@ class ParamGroup:
         dtype, device = locals_[0].dtype, locals_[0].device
         pin = self.pin_memory and device.type == "cpu"
         flat = torch.zeros(self.layout.shard_numel, dtype=dtype, device=device, pin_memory=pin)
-        for p, loc, chunk in zip(self.params, locals_, self._split(flat, self.layout)):
+        for p, loc, chunk in zip(self.params, locals_, self.split(flat, self.layout)):
             if device.type != "meta":
                 p.local_rows(chunk).copy_(loc)
             replacement = torch.nn.Parameter(p.as_dtensor(chunk), requires_grad=p.sharded.requires_grad)
@@ -235,7 +216,7 @@ class ParamGroup:
             p.register(p.sharded)
 
     @staticmethod
-    def _split(flat: torch.Tensor, layout: GroupLayout, unsharded: bool = False) -> list[torch.Tensor]:
+    def split(flat: torch.Tensor, layout: GroupLayout, unsharded: bool = False) -> list[torch.Tensor]:
         scale = layout.world_size if unsharded else 1
         return [flat.narrow(0, off * scale, n * scale) for off, n in zip(layout.shard_offsets, layout.shard_numels)]
 
@@ -282,6 +263,8 @@ class ParamGroup:
         self._pending_all_gather = None
         self._alloc_unsharded()
         self._copy_out(output, self._pending_layout)
+        del output  # the all-gather buffers go; the all-gather stream reuses them after this event
+        self.streams.all_gather_read()
         if self.post_forward is not None:
             self.post_forward.buffer.untyped_storage().resize_(0)
         for p in self.params:
@@ -310,11 +293,12 @@ class ParamGroup:
             return
         storage = pf.buffer.untyped_storage()
         storage.resize_(pf.buffer.numel() * pf.buffer.element_size())
-        regions = self._split(self.unsharded_buffer, self.layout, unsharded=True)
-        chunks = self._split(pf.buffer, pf.layout)
+        regions = self.split(self.unsharded_buffer, self.layout, unsharded=True)
+        chunks = self.split(pf.buffer, pf.layout)
         for p, region, chunk, lay in zip(self.params, regions, chunks, pf.layout.params):
             full = region.view(p.layout.padded_shape).narrow(lay.shard_dim, 0, lay.padded_shape[lay.shard_dim])
-            chunk.view(lay.chunk_shape).copy_(_rank_axis_view(full, lay.shard_dim, lay.world_size)[pf.rank])
+            chunk.view(lay.chunk_shape).copy_(rank_axis_view(full, lay.shard_dim, lay.world_size)[pf.rank])
+        self.streams.shards_written()  # backward's all-gather sends this buffer, written on the compute stream
         for p in self.params:
             p.register(p.sharded)
         self._free_unsharded()
@@ -339,7 +323,7 @@ class ParamGroup:
         chunks, whose padded rows always fit inside the full layout's.
         """
         world_size = src.world_size
-        regions = self._split(self.unsharded_buffer, self.layout, unsharded=True)
+        regions = self.split(self.unsharded_buffer, self.layout, unsharded=True)
         rank_major = output.view(world_size, -1)
         if src is self.layout and all(p.layout.shard_dim == 0 for p in self.params):
             # Row r of a dim-0 parameter's padded full tensor is rank r's chunk.
@@ -350,170 +334,49 @@ class ParamGroup:
         for p, region, lay, off in zip(self.params, regions, src.params, src.shard_offsets):
             chunks = rank_major[:, off : off + lay.shard_numel].view(world_size, *lay.chunk_shape)
             full = region.view(p.layout.padded_shape).narrow(lay.shard_dim, 0, lay.padded_shape[lay.shard_dim])
-            _rank_axis_view(full, lay.shard_dim, world_size).copy_(chunks)
+            rank_axis_view(full, lay.shard_dim, world_size).copy_(chunks)
+
+    # ---- summon_full_params ----------------------------------------------------
+
+    def summon(self, *, keep_full: bool, offload_to_cpu: bool, with_grads: bool) -> None:
+        """Unshard and register the full parameters (CPU copies with ``offload_to_cpu``), their ``.grad`` the
+        full gradients with ``with_grads``; ``keep_full=False`` registers the sharded ones again."""
+        self.unshard()
+        self.summoned = True
+        for p in self.params:
+            full = p.unsharded
+            grad = p.sharded.grad
+            if with_grads and grad is not None:
+                full.grad = full_tensor(grad) if isinstance(grad, DTensor) else grad
+            if offload_to_cpu and keep_full:
+                copy = nn.Parameter(full.detach().cpu(), requires_grad=full.requires_grad)
+                copy.grad = None if full.grad is None else full.grad.cpu()
+                p.register(copy)
+        if not keep_full:
+            self.reshard()
+
+    def end_summon(self, writeback: bool) -> None:
+        """Leave ``summon``: with ``writeback`` each rank keeps its rows of the (possibly edited) full parameters."""
+        if writeback:
+            for p in self.params:
+                site = p.sites[0]
+                current = site.module._parameters[site.name]
+                if current is not None:
+                    p.adopt(current.detach())
+            self.streams.shards_written()
+        for p in self.params:
+            p.unsharded.grad = None
+        self.reshard()
+        self.summoned = False
 
     # ---- gradients -----------------------------------------------------------
 
-    def accumulate_unsharded_grads(self) -> None:
-        """A backward without gradient sync: keep the unsharded gradients for a later synced one.
-
-        Autograd already sums into ``unsharded.grad`` across backwards; only when
-        the reduce dtype differs from the compute dtype are they moved into a
-        reduce-dtype accumulator, so the sum does not lose precision.
-        """
-        if self.reduce_dtype == self.compute_dtype:
-            return
-        for p in self.params:
-            grad = p.unsharded.grad
-            if grad is None:
-                continue
-            if p.accumulated_grad is None:
-                p.accumulated_grad = grad.to(self.reduce_dtype)
-            else:
-                p.accumulated_grad.add_(grad)
-            p.unsharded.grad = None
-
-    def _take_unsharded_grads(self) -> list[torch.Tensor | None]:
-        grads: list[torch.Tensor | None] = []
-        for p in self.params:
-            grad = p.unsharded.grad if p.requires_grad else None
-            if grad is None and p.requires_grad and self.reduce_unused_params:
-                grad = torch.zeros(p.layout.shape, dtype=self.compute_dtype, device=self.device)
-            if p.accumulated_grad is not None:
-                if grad is not None:
-                    p.accumulated_grad.add_(grad)
-                grad = p.accumulated_grad
-            p.unsharded.grad = None
-            p.accumulated_grad = None
-            grads.append(grad)
-        return grads
-
-    def _divide_factors(self) -> tuple[float, float]:
-        """(before, after) the reduction; fp16/bf16 split the division so the sum stays in range."""
-        if self.comm_hook is not None:
-            return 1.0, 1.0  # the hook averages
-        total = self.divide_factor if self.divide_factor is not None else float(self.mesh_info.data_parallel_size)
-        if self.reduce_dtype in (torch.float16, torch.bfloat16):
-            before = math.sqrt(total)
-            return before, total / before
-        return 1.0, total
-
-    def reduce_grads(self) -> PendingReduce | None:
-        """Issue one reduce-scatter of every unsharded gradient present; clear them."""
-        taken = self._take_unsharded_grads()
-        with_grad = tuple(g is not None for g in taken)
-        if not any(with_grad):
-            return None
-        layout = self._grad_layouts.get(with_grad)
-        if layout is None:
-            layout = self._grad_layouts[with_grad] = self.layout.subset(with_grad)
-        params = [p for p, keep in zip(self.params, with_grad) if keep]
-        grads = [g for g in taken if g is not None]
-        before, _ = self._divide_factors()
-        pack = _pack_rank_major(layout, before)
-        if self.comm_hook is not None:
-            hook_state, hook = self.comm_hook
-            packed = torch.empty(layout.world_size, layout.shard_numel, dtype=self.reduce_dtype, device=self.device)
-            pack(grads, packed)
-            output = torch.empty(layout.shard_numel, dtype=self.reduce_dtype, device=self.device)
-            hook(hook_state, packed.view(-1), output)
-            return PendingReduce(self, params, layout, PendingCollective(None, output, ()))
-        collective = reduce_scatter(
-            grads, pack, layout.shard_numel, self.reduce_dtype, self.device,
-            self.reduce_scatter_group or self.mesh_info.shard_group, self.streams, self.label,
-        )
-        return PendingReduce(self, params, layout, collective)
-
-    @torch.no_grad()
-    def finish_reduce(self, pending: PendingReduce) -> None:
-        """Wait for a reduce-scatter, all-reduce across replicas (HSDP), add to the sharded gradients."""
-        reduced = pending.collective.wait()
-        _, after = self._divide_factors()
-        if after != 1.0:
-            reduced.div_(after)
-        replicate_group = self.mesh_info.replicate_group
-        if replicate_group is not None:
-            chunks = self._split(reduced, pending.layout)
-            if not self.requires_all_reduce:
-                # Keep the partial (per-replica) sums until a backward that all-reduces.
-                for p, chunk in zip(pending.params, chunks):
-                    if p in self._partial_grads:
-                        self._partial_grads[p].add_(chunk)
-                    else:
-                        self._partial_grads[p] = chunk.clone()
-                return
-            for p, chunk in zip(pending.params, chunks):
-                partial = self._partial_grads.pop(p, None)
-                if partial is not None:
-                    chunk.add_(partial)
-            all_reduce(reduced, replicate_group, self.streams, self.label).wait()
-        if self.all_reduce_hook is not None:
-            self.all_reduce_hook(reduced)
-        self._assign_sharded_grads(pending, reduced)
-
-    def _assign_sharded_grads(self, pending: PendingReduce, reduced: torch.Tensor) -> None:
-        orig_dtype = self.flat_shard.dtype
-        if reduced.dtype == orig_dtype and reduced.device == self.shard_device:
-            flat_grad = reduced
-        else:
-            flat_grad = torch.empty(reduced.shape, dtype=orig_dtype, device=self.shard_device, pin_memory=self.pin_memory)
-            flat_grad.copy_(reduced, non_blocking=True)  # offload: completed by the end-of-backward host sync
-        chunks = self._split(flat_grad, pending.layout)
-        if all(p.sharded.grad is None for p in pending.params):
-            # The common case: the reduce-scatter output becomes the flat gradient buffer.
-            for p, chunk in zip(pending.params, chunks):
-                p.sharded.grad = p.as_dtensor(chunk)
-            return
-        for p, chunk in zip(pending.params, chunks):
-            grad = p.sharded.grad
-            if grad is None:
-                p.sharded.grad = p.as_dtensor(chunk)
-            else:
-                local = grad.to_local() if isinstance(grad, DTensor) else grad
-                local.add_(p.local_rows(chunk))
-
     def discard_pending(self) -> None:
-        """Drop an in-flight all-gather after a failed iteration (the collective is still completed)."""
+        """Drop an in-flight all-gather and unreduced gradients after a failed iteration (collectives still complete)."""
         if self._pending_all_gather is not None:
             self._pending_all_gather.wait()
             self._pending_all_gather = None
         if self.state is ShardedState.UNSHARDING:
             self.state = ShardedState.SHARDED
-        for p in self.params:
-            p.unsharded.grad = None
-            p.accumulated_grad = None
-        self._partial_grads.clear()
+        self.reducer.discard()
         self.reshard()
-
-
-def _rank_axis_view(padded_full: torch.Tensor, shard_dim: int, world_size: int) -> torch.Tensor:
-    """View a padded full tensor as ``(world_size, *chunk_shape)``: index r is rank r's chunk."""
-    shape = padded_full.shape
-    chunk = shape[shard_dim] // world_size
-    return padded_full.view(*shape[:shard_dim], world_size, chunk, *shape[shard_dim + 1 :]).movedim(shard_dim, 0)
-
-
-def _pack_rank_major(layout: GroupLayout, divide_by: float) -> Callable[[list[torch.Tensor], torch.Tensor], None]:
-    """Fill function for the reduce-scatter input: each gradient chunked over the ranks."""
-    world_size = layout.world_size
-    all_dim0 = all(p.shard_dim == 0 for p in layout.params)
-
-    def fill(grads: list[torch.Tensor], out: torch.Tensor) -> None:
-        pack(grads, out)
-        if divide_by != 1.0:
-            out.div_(divide_by)
-
-    def pack(grads: list[torch.Tensor], out: torch.Tensor) -> None:
-        if all_dim0:  # casts to the reduce dtype on the way
-            torch._chunk_cat(grads, dim=0, num_chunks=world_size, out=out)
-            return
-        for grad, lay, off in zip(grads, layout.params, layout.shard_offsets):
-            padded = grad
-            if not lay.is_even:
-                padded = grad.new_zeros(lay.padded_shape)
-                padded.narrow(lay.shard_dim, 0, lay.dim_size).copy_(grad)
-            dst = out[:, off : off + lay.shard_numel].view(world_size, *lay.chunk_shape)
-            dst.copy_(_rank_axis_view(padded.contiguous(), lay.shard_dim, world_size))
-
-
-    return fill

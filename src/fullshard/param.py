@@ -37,6 +37,13 @@ def full_tensor(value: DTensor) -> torch.Tensor:
     return value.full_tensor()
 
 
+def rank_axis_view(padded_full: torch.Tensor, shard_dim: int, world_size: int) -> torch.Tensor:
+    """View a padded full tensor as ``(world_size, *chunk_shape)``: index r is rank r's chunk."""
+    shape = padded_full.shape
+    chunk = shape[shard_dim] // world_size
+    return padded_full.view(*shape[:shard_dim], world_size, chunk, *shape[shard_dim + 1 :]).movedim(shard_dim, 0)
+
+
 def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     stride, running = [], 1
     for size in reversed(shape):

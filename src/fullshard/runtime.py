@@ -2,19 +2,35 @@
 
 [Note: Hook placement]
 - forward pre-hook: unshard this group (waiting for a prefetch if one was
-  issued), issue the next group's all-gather, and wrap the inputs that need a
-  gradient in ``_PostBackward`` so that its backward runs once every gradient
-  of this call has been computed.
-- forward hook: reshard (when ``reshard_after_forward``) and register a
-  multi-grad hook on the outputs: the first output gradient to arrive in
-  backward unshards the group again (pre-backward).
-- ``_PostBackward.backward``: reshard and reduce-scatter the gradients.
+  issued), issue the next group's all-gather, count the call and wrap the
+  inputs that need a gradient in ``_PostBackward``, whose backward runs once
+  every gradient of this call has been computed.
+- forward hook: reshard (when ``reshard_after_forward``; a list group after the
+  last of its modules ran) and register a multi-grad hook on every tensor of
+  the output that needs a gradient (pytree containers and plain dataclasses):
+  the first output gradient to arrive in backward unshards the group again
+  (pre-backward).
+- ``_PostBackward.backward``: when the last counted call of the group has
+  finished its backward, reshard and reduce the gradients: one reduction per
+  group and backward, however many modules the group has and however often
+  they ran.
 - The first backward hook to run queues one end-of-backward callback on the
-  autograd engine. It reduces what no post-backward handled (modules whose
-  inputs need no gradient, e.g. the first layer), reshards everything, waits
-  for every reduction and returns all states to IDLE.
-A module may run several times per forward: each call gets its own hooks and
-reduces its own gradients, which accumulate in the sharded gradients.
+  autograd engine. It reduces what no post-backward handled (calls whose inputs
+  need no gradient, e.g. the first layer, or whose output was not used), the
+  HSDP partial sums still due, reshards everything, waits for every reduction
+  and returns all states to IDLE.
+
+[Note: Prefetch]
+Each forward records the states in the order their pre-forward ran and in the
+order their post-forward ran (first occurrence each). At the root's
+post-forward the recorded orders, when they changed, become the prefetch plan:
+a state's forward prefetch is the next state(s) in pre-forward order, and its
+backward prefetch the state(s) before it in post-forward order, which is the
+order backward reaches them (the root finishes forward last, so its
+pre-backward prefetches the last block). When control flow changes the order,
+the next forward plans anew; a group prefetched for a module that then did not
+run is resharded at the root's post-forward, so a stale prefetch holds no
+memory into backward. Lookups are dictionaries: no per-call search.
 
 [Note: Recovery]
 If a forward or backward raises, some groups may be left unsharded with
@@ -25,9 +41,10 @@ drops unreduced gradients and reshards everything, so training can continue.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from enum import Enum, auto
 from typing import Any
 
@@ -38,8 +55,9 @@ from torch.autograd.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from fullshard.collectives import CommStreams
-from fullshard.group import ParamGroup, PendingReduce, ShardedState
+from fullshard.group import ParamGroup, ShardedState
 from fullshard.policy import MixedPrecisionPolicy
+from fullshard.reduce import PendingReduce
 
 log = logging.getLogger("fullshard")
 
@@ -63,14 +81,14 @@ class TrainingState(Enum):
     POST_BACKWARD = auto()  # resharding and reducing
 
 
-def state_of(module: object) -> ShardState | None:
+def state_of(module: object) -> HookState | None:
     state = getattr(module, "__dict__", {}).get(STATE_KEY)
-    return state if isinstance(state, ShardState) else None
+    return state if isinstance(state, HookState) else None
 
 
-def states_in(module: nn.Module, recurse: bool = True) -> list[ShardState]:
+def states_in(module: nn.Module, recurse: bool = True) -> list[HookState]:
     """The states of ``module`` and (with ``recurse``) of its submodules, each once, in module order."""
-    states: list[ShardState] = []
+    states: list[HookState] = []
     for mod in module.modules() if recurse else [module]:
         state = state_of(mod)
         if state is not None and state not in states:
@@ -84,16 +102,23 @@ def in_backward() -> bool:
 
 
 class IterationContext:
-    """What every state under one root shares: order, in-flight reductions, backward flags."""
+    """What every state under one root shares: recorded order, in-flight reductions, backward flags."""
 
-    def __init__(self, states: list[ShardState], streams: CommStreams) -> None:
+    def __init__(self, states: list[HookState], streams: CommStreams) -> None:
         self.states = states
         self.streams = streams
-        self.forward_order: list[ShardState] = []
-        self.order_frozen = False
-        self.pending_reduces: deque[PendingReduce] = deque()
+        # This iteration's order: states by first pre-forward, and by first post-forward.
+        self.pre_order: list[HookState] = []
+        self.post_order: list[HookState] = []
+        self._seen_pre: set[HookState] = set()
+        self._seen_post: set[HookState] = set()
+        # Implicit prefetch targets, from the last completed forward's order (see [Note: Prefetch]).
+        self.forward_next: dict[HookState, list[HookState]] = {}
+        self.backward_next: dict[HookState, list[HookState]] = {}
+        self._planned_from: tuple[list[HookState], list[HookState]] = ([], [])
+        self.pending_reduces: list[PendingReduce] = []  # issued since the last drain, oldest first
+        self.inputs_in_flight: deque[PendingReduce] = deque()  # whose reduce-scatter input is still held
         self.end_of_backward_queued = False
-        self.max_reduces_in_flight = 1
         self.is_last_backward = True  # False: leave reductions in flight past this backward (micro-batching)
         self.post_optim_event: torch.Event | None = None
         # Implicit prefetch: how many groups ahead, and when in backward.
@@ -101,22 +126,43 @@ class IterationContext:
         self.backward_prefetch_depth = 1
         self.backward_prefetch_mode = BackwardPrefetchMode.PRE
 
-    def record_forward(self, state: ShardState) -> None:
-        if not self.order_frozen and state not in self.forward_order:
-            self.forward_order.append(state)
+    def start_forward(self) -> None:
+        """The root's pre-forward: a new iteration's order begins."""
+        self.pre_order, self.post_order = [], []
+        self._seen_pre, self._seen_post = set(), set()
+        for state in self.states:
+            state.start_iteration()
 
-    def neighbours(self, state: ShardState, step: int, depth: int) -> list[ShardState]:
-        """Up to ``depth`` states after (``step=+1``) or before (``-1``) ``state`` in the recorded forward order."""
-        if state not in self.forward_order:
-            return []
-        index = self.forward_order.index(state)
-        picked = []
-        for i in range(1, depth + 1):
-            j = index + step * i
-            if not 0 <= j < len(self.forward_order):
-                break
-            picked.append(self.forward_order[j])
-        return picked
+    def record_pre_forward(self, state: HookState) -> None:
+        if state not in self._seen_pre:
+            self._seen_pre.add(state)
+            self.pre_order.append(state)
+
+    def record_post_forward(self, state: HookState) -> None:
+        if state not in self._seen_post:
+            self._seen_post.add(state)
+            self.post_order.append(state)
+
+    def end_forward(self) -> None:
+        """The root's post-forward: plan the next prefetches and drop the ones this forward did not use."""
+        if (self.pre_order, self.post_order) != self._planned_from:
+            self._planned_from = (self.pre_order, self.post_order)
+            self.forward_next = _following(self.pre_order, self.forward_prefetch_depth)
+            self.backward_next = _following(self.post_order[::-1], self.backward_prefetch_depth)
+        for state in self.states:
+            group = state.group
+            if group is None or group.state in (ShardedState.SHARDED, ShardedState.SHARDED_POST_FORWARD):
+                continue
+            if state not in self._seen_pre or (state.reshard_after_forward and not state.is_root):
+                # A prefetch for a module that did not run, or a list group some of whose modules did not.
+                group.reshard()
+
+    def set_prefetch_depth(self, forward: int | None = None, backward: int | None = None) -> None:
+        if forward is not None:
+            self.forward_prefetch_depth = forward
+        if backward is not None:
+            self.backward_prefetch_depth = backward
+        self._planned_from = ([], [])  # re-plan at the next forward
 
     def queue_end_of_backward(self) -> None:
         if not self.end_of_backward_queued:
@@ -125,10 +171,11 @@ class IterationContext:
 
     def add_reduce(self, pending: PendingReduce) -> None:
         self.pending_reduces.append(pending)
-        # Bound the gradient memory in flight: finish the oldest reductions first.
-        while len(self.pending_reduces) > self.max_reduces_in_flight:
-            done = self.pending_reduces.popleft()
-            done.group.finish_reduce(done)
+        self.inputs_in_flight.append(pending)
+        # Bound the reduce-scatter inputs alive: the oldest's input goes once its reduce-scatter is done.
+        limit = pending.reducer.settings.max_inputs_in_flight
+        while len(self.inputs_in_flight) > limit:
+            self.inputs_in_flight.popleft().release_input()
 
     def end_of_backward(self) -> None:
         with record_function("fullshard::end_of_backward"):
@@ -137,16 +184,26 @@ class IterationContext:
                 if group is not None and (
                     state.training_state is TrainingState.PRE_BACKWARD
                     or (group.state is not ShardedState.SHARDED and state.reshard_after_backward)
+                    or group.reducer.has_partial_sums_due
                 ):
                     state.post_backward(in_backward_pass=False)
                 state.training_state = TrainingState.IDLE
+                state.calls_awaiting_backward = 0
             if self.is_last_backward:
-                while self.pending_reduces:
-                    done = self.pending_reduces.popleft()
-                    done.group.finish_reduce(done)
-                if any(s.group is not None and s.group.shard_device != s.group.device for s in self.states):
-                    self.streams.host_sync()  # offloaded gradients were copied to the host asynchronously
+                self.drain_reduces()
+            self.streams.host_wait(self.streams.h2d_done)  # the optimizer may write the pinned shards next
+            self.streams.shards_written()
             self.end_of_backward_queued = False
+
+    def drain_reduces(self) -> None:
+        """Complete every reduction in flight: first let every reduce-scatter finish (CPU: issues the
+        HSDP all-reduces), then deliver them all, so the all-reduces overlap each other."""
+        for pending in self.pending_reduces:
+            pending.release_input()
+        for pending in self.pending_reduces:
+            pending.finish()
+        self.pending_reduces.clear()
+        self.inputs_in_flight.clear()
 
     def needs_recovery(self) -> bool:
         return self.end_of_backward_queued or any(s.training_state is not TrainingState.IDLE for s in self.states)
@@ -154,35 +211,43 @@ class IterationContext:
     def recover(self) -> None:
         log.warning("fullshard: the previous forward or backward did not finish; resharding and dropping its gradients")
         for pending in self.pending_reduces:
-            pending.collective.wait()
+            pending.abandon()
         self.pending_reduces.clear()
+        self.inputs_in_flight.clear()
         for state in self.states:
             if state.group is not None:
                 state.group.discard_pending()
             state.training_state = TrainingState.IDLE
+            state.calls_awaiting_backward = 0
         self.end_of_backward_queued = False
 
     def reshard_all(self) -> None:
         for state in self.states:
             if state.group is not None:
                 state.group.reshard()
+        self.streams.host_wait(self.streams.h2d_done)
+
+
+def _following(order: list[HookState], depth: int) -> dict[HookState, list[HookState]]:
+    """Each state's next ``depth`` states in ``order``."""
+    return {state: order[i + 1 : i + 1 + depth] for i, state in enumerate(order)}
 
 
 class _PostBackward(torch.autograd.Function):
     """Identity on a module call's inputs; its backward marks that call's backward as done."""
 
     @staticmethod
-    def forward(ctx: Any, state: ShardState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+    def forward(ctx: Any, state: HookState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         ctx.state = state
         return tuple(x.view_as(x) for x in inputs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        ctx.state.post_backward()
+        ctx.state.call_backward_done()
         return (None, *grads)
 
 
-class ShardState:
+class HookState:
     """Hook state of one ``fully_shard`` call (one group, one or more modules)."""
 
     def __init__(
@@ -204,11 +269,15 @@ class ShardState:
         self.training_state = TrainingState.IDLE
         self.ctx: IterationContext | None = None
         self.is_root = False
-        self.forward_prefetch: list[ShardState] | None = None
-        self.backward_prefetch: list[ShardState] | None = None
-        self.requires_gradient_sync = True
+        self.forward_prefetch: list[HookState] | None = None
+        self.backward_prefetch: list[HookState] | None = None
         self.reshard_after_backward = True
         self.unshard_in_backward = True
+        # Module calls of this iteration whose backward has not finished: the group is reduced
+        # (once) when the last one finishes, or at the end of backward.
+        self.calls_awaiting_backward = 0
+        # List groups: the modules yet to run in this forward; resharded after the last one.
+        self._modules_to_run: set[nn.Module] = set()
         for module in modules:
             module.__dict__[STATE_KEY] = self
             module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
@@ -217,6 +286,11 @@ class ShardState:
     @property
     def label(self) -> str:
         return self.group.label if self.group is not None else type(self.modules[0]).__name__
+
+    def start_iteration(self) -> None:
+        self.calls_awaiting_backward = 0
+        if len(self.modules) > 1:
+            self._modules_to_run = set(self.modules)
 
     # ---- lazy init -----------------------------------------------------------
 
@@ -229,7 +303,7 @@ class ShardState:
         """
         root_module = self.modules[0]
         module_names = {module: name for name, module in root_module.named_modules()}
-        states: list[ShardState] = []
+        states: list[HookState] = []
         for module, name in module_names.items():
             state = state_of(module)
             if state is None or state in states:
@@ -247,7 +321,7 @@ class ShardState:
         ctx = IterationContext(states, self.streams)
         for state in states:
             state.ctx = ctx
-            # One pair of communication streams per root: more would only add synchronisation.
+            # One set of communication streams per root: more would only add synchronisation.
             state.streams = self.streams
             if state.group is not None:
                 state.group.streams = self.streams
@@ -267,52 +341,58 @@ class ShardState:
             if self.group is not None:
                 self.group.unshard()
             return args, kwargs
-        if self.ctx is None:
-            self.lazy_init()
-        assert self.ctx is not None
+        ctx = self.ctx if self.ctx is not None else self.lazy_init()
         if self.is_root:
-            if self.ctx.needs_recovery():
-                self.ctx.recover()
-            if self.ctx.post_optim_event is not None:
-                self.streams.wait_event(self.ctx.post_optim_event)
-                self.ctx.post_optim_event = None
+            if ctx.needs_recovery():
+                ctx.recover()
+            ctx.start_forward()
+            self.streams.shards_written(ctx.post_optim_event)  # the optimizer step (or the given event) came last
+            ctx.post_optim_event = None
             if self.device.type != "cpu":
                 args, kwargs = tree_map_only(torch.Tensor, lambda t: t.to(self.device, non_blocking=True), (args, kwargs))
         self.training_state = TrainingState.FORWARD
-        self.ctx.record_forward(self)
+        ctx.record_pre_forward(self)
         if self.group is not None:
             with record_function(f"fullshard::pre_forward {self.label}"):
                 self.group.unshard(async_op=True)
                 targets = self.forward_prefetch
-                if targets is None and self.ctx.order_frozen:
-                    targets = self.ctx.neighbours(self, +1, self.ctx.forward_prefetch_depth)
-                self._prefetch(targets or [], backward=False)
+                self._prefetch(ctx.forward_next.get(self, ()) if targets is None else targets, backward=False)
                 self.group.wait_for_unshard()
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
             args, kwargs = _cast_floats((args, kwargs), self.mp_policy.param_dtype)
         if torch.is_grad_enabled():
+            self.calls_awaiting_backward += 1
             args, kwargs = self._wrap_inputs_for_post_backward(args, kwargs)
         return args, kwargs
 
     def _post_forward_hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         if in_backward():
             return output
-        assert self.ctx is not None
-        if self.group is not None and self.reshard_after_forward:
+        ctx = self.ctx
+        assert ctx is not None
+        if self.group is not None and self.reshard_after_forward and self._last_module_to_run(module):
             self.group.reshard_post_forward()
         if self.mp_policy.output_dtype is not None:
             output = _cast_floats(output, self.mp_policy.output_dtype)
         needs_backward = self._register_pre_backward(output)
         self.training_state = TrainingState.IDLE
+        ctx.record_post_forward(self)
         if self.is_root:
-            self.ctx.order_frozen = True
+            ctx.end_forward()
             if not needs_backward or not module.training:
                 # Inference (no_grad, or eval mode): leave every group sharded. An eval-mode
                 # forward that is back-propagated anyway all-gathers again in backward.
-                self.ctx.reshard_all()
+                ctx.reshard_all()
         return output
 
-    def _prefetch(self, targets: list[ShardState], backward: bool) -> None:
+    def _last_module_to_run(self, module: nn.Module) -> bool:
+        """List groups are resharded once every module of the group ran in this forward."""
+        if len(self.modules) == 1:
+            return True
+        self._modules_to_run.discard(module)
+        return not self._modules_to_run
+
+    def _prefetch(self, targets: Iterable[HookState], backward: bool) -> None:
         for target in targets:
             if backward and not target.unshard_in_backward:
                 continue
@@ -336,7 +416,7 @@ class ShardState:
     def _register_pre_backward(self, output: Any) -> bool:
         if not torch.is_grad_enabled():
             return False
-        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        tensors = [t for t in tensors_in(output) if t.requires_grad]
         if not tensors:
             return False
         register_multi_grad_hook(tensors, self._pre_backward_hook, mode="any")
@@ -355,23 +435,30 @@ class ShardState:
             self._prefetch(self._backward_targets(BackwardPrefetchMode.PRE), backward=True)
             self.group.wait_for_unshard()
 
-    def _backward_targets(self, mode: BackwardPrefetchMode) -> list[ShardState]:
+    def _backward_targets(self, mode: BackwardPrefetchMode) -> list[HookState]:
         """The groups to all-gather at this point (``mode``) of this group's backward."""
         assert self.ctx is not None
         if self.backward_prefetch is not None:  # explicit: always before this group's gradients
             return self.backward_prefetch if mode is BackwardPrefetchMode.PRE else []
         if mode is not self.ctx.backward_prefetch_mode:
             return []
-        return self.ctx.neighbours(self, -1, self.ctx.backward_prefetch_depth)
+        return self.ctx.backward_next.get(self, [])
+
+    def call_backward_done(self) -> None:
+        """One module call's backward finished; the group is reduced after the last call's."""
+        self.calls_awaiting_backward -= 1
+        if self.calls_awaiting_backward <= 0:
+            self.post_backward()
 
     def post_backward(self, in_backward_pass: bool = True) -> None:
-        """Reshard and issue the reduce-scatter of this group's gradients.
+        """Reshard and issue the reduction of this group's gradients.
 
         ``in_backward_pass=False`` (the end-of-backward callback) skips prefetching:
         no group runs after it.
         """
         assert self.ctx is not None
         self.ctx.queue_end_of_backward()
+        self.calls_awaiting_backward = 0
         if self.group is None:
             self.training_state = TrainingState.IDLE
             return
@@ -381,16 +468,34 @@ class ShardState:
                 self.group.reshard()
             if in_backward_pass:
                 self._prefetch(self._backward_targets(BackwardPrefetchMode.POST), backward=True)
-            if self.requires_gradient_sync:
-                pending = self.group.reduce_grads()
+            reducer = self.group.reducer
+            if reducer.settings.requires_gradient_sync:
+                pending = reducer.reduce()
                 if pending is not None:
                     self.ctx.add_reduce(pending)
             else:
-                self.group.accumulate_unsharded_grads()
+                reducer.accumulate_unsharded()
         self.training_state = TrainingState.IDLE
 
 
-def _check_no_shared_originals(states: list[ShardState]) -> None:
+def tensors_in(tree: Any) -> list[torch.Tensor]:
+    """Every tensor in ``tree``: pytree containers (lists, tuples, namedtuples, dicts, registered classes such
+    as Hugging Face's ``ModelOutput``) and, beyond what pytree knows, the fields of plain dataclasses."""
+    found: list[torch.Tensor] = []
+    pending = [tree]
+    seen: set[int] = set()
+    while pending:
+        leaves, _ = tree_flatten(pending.pop())
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                found.append(leaf)
+            elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type) and id(leaf) not in seen:
+                seen.add(id(leaf))
+                pending.extend(getattr(leaf, f.name) for f in dataclasses.fields(leaf))
+    return found
+
+
+def _check_no_shared_originals(states: list[HookState]) -> None:
     """Raise if an original parameter was sharded by two groups (a tie across ``fully_shard`` calls).
 
     Each group would train its own copy and the tie would silently break.

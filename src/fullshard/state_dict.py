@@ -51,6 +51,7 @@ def _sharded_values(entries: list[tuple[str, ShardedParam]]):  # type: ignore[no
 def _to_local_shards(group: ParamGroup, entries: list[tuple[str, ShardedParam]]):  # type: ignore[no-untyped-def]
     def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         group.reshard()
+        group.streams.shards_written()  # the load writes into the flat shard buffer on the compute stream
         for name, p in entries:
             key = prefix + name
             value = state_dict.get(key)

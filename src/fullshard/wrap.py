@@ -223,11 +223,13 @@ def shard_model(
     root = state_of(model)
     assert root is not None
     ctx = root.lazy_init()
-    ctx.forward_prefetch_depth = 0 if not forward_prefetch else (1 if limit_all_gathers else len(ctx.states))
     ctx.backward_prefetch_mode = {
         BackwardPrefetch.BACKWARD_PRE: BackwardPrefetchMode.PRE,
         BackwardPrefetch.BACKWARD_POST: BackwardPrefetchMode.POST,
         None: BackwardPrefetchMode.NONE,
     }[backward_prefetch]
-    ctx.backward_prefetch_depth = 1 if limit_all_gathers else len(ctx.states)
+    ctx.set_prefetch_depth(
+        forward=0 if not forward_prefetch else (1 if limit_all_gathers else len(ctx.states)),
+        backward=1 if limit_all_gathers else len(ctx.states),
+    )
     return model

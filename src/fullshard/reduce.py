@@ -1,0 +1,359 @@
+"""Gradient reduction of one group: what is reduced, how, and where the sharded gradients end up.
+
+[Note: Gradient reduction]
+After a group's backward its unsharded gradients are packed rank-major into one
+reduce-scatter input (copy-in, compute stream) and dropped. One reduce-scatter
+sums them over the shard ranks; with HSDP one all-reduce then sums the result
+over the replicas. The sum is divided once, at the end, by the data-parallel
+size (or ``ReduceSettings.divide_factor``); on NCCL, when the factor is the
+data-parallel size and sum-only reductions are not forced, the collectives
+average instead (``ReduceOp.AVG``). fp16 is the exception: the division is
+split into a factor before the sum and one after, so the sum cannot overflow.
+The result is cast to the parameters' dtype (and copied to pinned host memory
+when offloading) and becomes the sharded gradients: the flat gradient buffer,
+or added into gradients already there. Hooks registered with
+``register_post_accumulate_grad_hook`` on the sharded parameters then fire,
+once per parameter per reduction, with the reduced gradient in ``.grad``.
+
+Stages of one reduction (``ReduceStage``), for the streams see
+[Note: Streams and lifetimes]: on accelerators every stage is queued at once
+on the communication streams; on CPU the reduce-scatter is waited for when
+the reduction is drained (in-flight bound or end of backward), which issues
+the HSDP all-reduce, waited for at the end of backward.
+
+HSDP with ``requires_all_reduce=False`` keeps the reduce-scatter's result as a
+per-replica partial sum instead; the next reduction that all-reduces adds it
+first, also for parameters that got no gradient in that backward.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum, auto
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.autograd.profiler import record_function
+from torch.distributed.tensor import DTensor
+
+from fullshard.collectives import PendingCollective, all_reduce, reduce_scatter, run_hook_on
+from fullshard.layout import GroupLayout
+from fullshard.param import ShardedParam, rank_axis_view
+
+if TYPE_CHECKING:
+    from fullshard.group import ParamGroup
+
+CommHook = Callable[[Any, torch.Tensor, torch.Tensor], None]
+
+
+@dataclass
+class ReduceSettings:
+    """How one group's gradients are reduced; ``FSDPModule.set_*`` and FSDP1's helpers change it."""
+
+    # False: backward keeps the unsharded gradients for a later synced backward (no communication).
+    requires_gradient_sync: bool = True
+    # HSDP, False: reduce-scatter but keep per-replica partial sums; all-reduced by a later backward.
+    # Independent of requires_gradient_sync (a backward all-reduces only when both are True).
+    requires_all_reduce: bool = True
+    # Divide the summed gradients by this instead of the data-parallel size.
+    divide_factor: float | None = None
+    # Use ReduceOp.SUM with a separate division even where AVG is available (NCCL).
+    force_sum_reduction: bool = False
+    # Reduce zeros for trainable parameters that got no gradient, so ranks still issue matching collectives.
+    reduce_unused_params: bool = False
+    # Reduce-scatter inputs kept in flight before the compute stream waits for the oldest reduce-scatter.
+    max_inputs_in_flight: int = 1
+    # A process group of its own for the reduce-scatter (None: the mesh's shard group).
+    reduce_scatter_group: dist.ProcessGroup | None = None
+    # hook(reduced) in place on each reduced flat gradient (after the HSDP all-reduce), on hook_stream if given.
+    all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+    all_reduce_hook_stream: Any = None
+    # FSDP1's register_comm_hook: (state, hook(state, grad, output)) reduces instead of the reduce-scatter.
+    comm_hook: tuple[Any, CommHook] | None = None
+
+    @property
+    def all_reduces(self) -> bool:
+        return self.requires_gradient_sync and self.requires_all_reduce
+
+
+class ReduceStage(Enum):
+    """How far one reduction has gone."""
+
+    REDUCE_SCATTER = auto()  # the reduce-scatter (its input alive) is in flight
+    ALL_REDUCE = auto()  # HSDP: the all-reduce across replicas is in flight
+    DELIVERED = auto()  # sharded gradients assigned (device work may still be queued: see `done`)
+
+
+@dataclass
+class PendingReduce:
+    """One group's reduction in flight, and every buffer it keeps alive."""
+
+    reducer: GradReducer
+    params: list[ShardedParam]
+    layout: GroupLayout
+    reduce_scatter: PendingCollective
+    stage: ReduceStage = ReduceStage.REDUCE_SCATTER
+    all_reduce: PendingCollective | None = None
+    held: list[Any] = field(default_factory=list)  # outputs: kept until the compute stream waited `done`
+    done: Any = None  # event after the last post-reduce operation (accelerators)
+    host_adds: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # offload: (grad, addend)
+    hooks_due: list[ShardedParam] = field(default_factory=list)  # post-accumulate hooks to fire at finish
+
+    def release_input(self) -> None:
+        """Let the reduce-scatter input go: the compute stream waits for the reduce-scatter (CPU: advance past it)."""
+        streams = self.reducer.group.streams
+        if not streams.on_accelerator:
+            if self.stage is ReduceStage.REDUCE_SCATTER:
+                self.reducer.advance(self)
+            return
+        streams.wait(self.reduce_scatter.done)
+        self.reduce_scatter.buffers = ()
+
+    def finish(self) -> None:
+        """Complete the reduction: the compute stream (and, for host copies, the host) waits; hooks fire."""
+        while self.stage is not ReduceStage.DELIVERED:
+            self.reducer.advance(self)
+        streams = self.reducer.group.streams
+        streams.wait(self.done)
+        if self.host_adds or self.hooks_due:
+            streams.host_wait(self.done)
+            for grad, addend in self.host_adds:
+                grad.add_(addend)
+            _fire_post_accumulate_hooks(self.hooks_due)
+        self.host_adds, self.hooks_due, self.held = [], [], []
+        self.reduce_scatter.buffers = ()
+
+    def abandon(self) -> None:
+        """After a failed iteration: complete the collectives, deliver nothing."""
+        self.reduce_scatter.wait()
+        if self.all_reduce is not None:
+            self.all_reduce.wait()
+        self.reducer.group.streams.wait(self.done)
+        self.held, self.host_adds, self.hooks_due = [], [], []
+        self.reduce_scatter.buffers = ()
+
+
+def _fire_post_accumulate_hooks(params: list[ShardedParam]) -> None:
+    for p in params:
+        hooks = getattr(p.sharded, "_post_accumulate_grad_hooks", None)
+        for hook in (hooks or {}).values():
+            hook(p.sharded)
+
+
+class GradReducer:
+    """Reduces one group's gradients into its sharded gradients (see [Note: Gradient reduction])."""
+
+    def __init__(self, group: ParamGroup) -> None:
+        self.group = group
+        self.settings = ReduceSettings()
+        self._layouts: dict[tuple[bool, ...], GroupLayout] = {}
+        self._partial_sums: dict[ShardedParam, torch.Tensor] = {}  # HSDP: reduce-scattered, not yet all-reduced
+        shard_group = group.mesh_info.shard_group
+        self._nccl = shard_group is not None and dist.get_backend(shard_group) == "nccl"
+
+    @property
+    def has_partial_sums_due(self) -> bool:
+        """HSDP partial sums kept earlier that the next backward must all-reduce."""
+        return bool(self._partial_sums) and self.settings.all_reduces
+
+    # ---- no-sync accumulation ------------------------------------------------
+
+    def accumulate_unsharded(self) -> None:
+        """A backward without gradient sync: keep the unsharded gradients for a later synced one.
+
+        Autograd already sums into ``unsharded.grad`` across backwards; only when
+        the reduce dtype differs from the compute dtype are they moved into a
+        reduce-dtype accumulator, so the sum does not lose precision.
+        """
+        group = self.group
+        if group.reduce_dtype == group.compute_dtype:
+            return
+        for p in group.params:
+            grad = p.unsharded.grad
+            if grad is None:
+                continue
+            if p.accumulated_grad is None:
+                p.accumulated_grad = grad.to(group.reduce_dtype)
+            else:
+                p.accumulated_grad.add_(grad)
+            p.unsharded.grad = None
+
+    def _take_unsharded_grads(self) -> list[torch.Tensor | None]:
+        group, settings = self.group, self.settings
+        grads: list[torch.Tensor | None] = []
+        for p in group.params:
+            grad = p.unsharded.grad if p.requires_grad else None
+            needs_zeros = settings.reduce_unused_params or (p in self._partial_sums and settings.all_reduces)
+            if grad is None and p.requires_grad and needs_zeros and p.accumulated_grad is None:
+                grad = torch.zeros(p.layout.shape, dtype=group.compute_dtype, device=group.device)
+            if p.accumulated_grad is not None:
+                if grad is not None:
+                    p.accumulated_grad.add_(grad)
+                grad = p.accumulated_grad
+            p.unsharded.grad = None
+            p.accumulated_grad = None
+            grads.append(grad)
+        return grads
+
+    # ---- arithmetic ------------------------------------------------------------
+
+    def _reduce_op_and_factors(self) -> tuple[Any, float, float]:
+        """(reduce op, divide before the sum, divide after every sum)."""
+        group, settings = self.group, self.settings
+        if settings.comm_hook is not None:
+            return dist.ReduceOp.SUM, 1.0, 1.0  # the hook averages
+        dp_size = float(group.mesh_info.data_parallel_size)
+        total = settings.divide_factor if settings.divide_factor is not None else dp_size
+        if group.reduce_dtype == torch.float16:
+            # fp16 overflows at 65504: divide part before the sum, the rest after.
+            before = math.sqrt(total)
+            return dist.ReduceOp.SUM, before, total / before
+        if self._nccl and not settings.force_sum_reduction and total == dp_size:
+            return dist.ReduceOp.AVG, 1.0, 1.0
+        return dist.ReduceOp.SUM, 1.0, total
+
+    # ---- issue -----------------------------------------------------------------
+
+    def reduce(self) -> PendingReduce | None:
+        """Pack every unsharded gradient present into one reduce-scatter input, drop them and issue the reduction."""
+        group, settings, streams = self.group, self.settings, self.group.streams
+        taken = self._take_unsharded_grads()
+        with_grad = tuple(g is not None for g in taken)
+        if not any(with_grad):
+            return None
+        layout = self._layouts.get(with_grad)
+        if layout is None:
+            layout = self._layouts[with_grad] = group.layout.subset(with_grad)
+        params = [p for p, keep in zip(group.params, with_grad) if keep]
+        op, before, _ = self._reduce_op_and_factors()
+        inp = torch.empty(layout.world_size, layout.shard_numel, dtype=group.reduce_dtype, device=group.device)
+        with record_function(f"fullshard::reduce_scatter_copy_in {group.label}"):
+            pack_rank_major(layout, [g for g in taken if g is not None], inp)
+            if before != 1.0:
+                inp.div_(before)
+        del taken  # the unsharded gradients die here, right after the copy-in
+        if settings.comm_hook is not None:
+            hook_state, hook = settings.comm_hook
+            output = torch.empty(layout.shard_numel, dtype=group.reduce_dtype, device=group.device)
+            hook(hook_state, inp.view(-1), output)
+            collective = PendingCollective(None, output, (inp, output), streams.record())
+        else:
+            copied_in = streams.record()
+            with streams.on(streams.reduce_scatter):
+                streams.wait(copied_in)
+                collective = reduce_scatter(
+                    inp, settings.reduce_scatter_group or group.mesh_info.shard_group, streams, group.label, op
+                )
+        pending = PendingReduce(self, params, layout, collective)
+        if streams.on_accelerator:
+            while pending.stage is not ReduceStage.DELIVERED:  # queue every stage now, on the side streams
+                self.advance(pending)
+        return pending
+
+    def advance(self, pending: PendingReduce) -> None:
+        """Take ``pending`` one stage further (on CPU this waits for the collective in flight)."""
+        group, settings, streams = self.group, self.settings, self.group.streams
+        if pending.stage is ReduceStage.REDUCE_SCATTER:
+            with streams.on(streams.reduce_scatter if settings.comm_hook is None else None):
+                reduced = pending.reduce_scatter.wait()
+                if not streams.on_accelerator:  # CPU: the collective is complete; accelerators: see release_input
+                    pending.reduce_scatter.buffers = ()
+                pending.held.append(reduced)
+                replicate_group = group.mesh_info.replicate_group
+                if replicate_group is None:
+                    self._deliver(pending, reduced)
+                    return
+                chunks = group.split(reduced, pending.layout)
+                if not settings.all_reduces:
+                    # Keep the partial (per-replica) sums until a backward that all-reduces.
+                    for p, chunk in zip(pending.params, chunks):
+                        if p in self._partial_sums:
+                            self._partial_sums[p].add_(chunk)
+                        else:
+                            self._partial_sums[p] = chunk.clone()
+                    pending.done = streams.record()
+                    pending.stage = ReduceStage.DELIVERED
+                    return
+                for p, chunk in zip(pending.params, chunks):
+                    partial = self._partial_sums.pop(p, None)
+                    if partial is not None:
+                        chunk.add_(partial)
+                scattered = streams.record()
+            with streams.on(streams.all_reduce):
+                streams.wait(scattered)
+                op, _, _ = self._reduce_op_and_factors()
+                pending.all_reduce = all_reduce(reduced, replicate_group, streams, group.label, op)
+            pending.stage = ReduceStage.ALL_REDUCE
+            return
+        if pending.stage is ReduceStage.ALL_REDUCE:
+            assert pending.all_reduce is not None
+            with streams.on(streams.all_reduce):
+                self._deliver(pending, pending.all_reduce.wait())
+
+    def _deliver(self, pending: PendingReduce, reduced: torch.Tensor) -> None:
+        """Divide, run the all-reduce hook, cast / offload and assign or add the sharded gradients (current stream)."""
+        group, settings, streams = self.group, self.settings, self.group.streams
+        _, _, after = self._reduce_op_and_factors()
+        if after != 1.0:
+            reduced.div_(after)
+        if settings.all_reduce_hook is not None:
+            streams.wait(run_hook_on(streams, settings.all_reduce_hook_stream, settings.all_reduce_hook, reduced))
+        orig_dtype = group.flat_shard.dtype
+        to_host = group.shard_device != group.device
+        if reduced.dtype == orig_dtype and not to_host:
+            flat_grad = reduced
+        else:
+            flat_grad = torch.empty(
+                reduced.shape, dtype=orig_dtype, device=group.shard_device, pin_memory=group.pin_memory and to_host
+            )
+            flat_grad.copy_(reduced, non_blocking=True)
+            pending.held.append(flat_grad)
+        host_pending = to_host and streams.on_accelerator  # the copy is complete only once `done` has passed
+        for p, chunk in zip(pending.params, group.split(flat_grad, pending.layout)):
+            grad = p.sharded.grad
+            if grad is None:
+                p.sharded.grad = p.as_dtensor(chunk)
+                continue
+            local = grad.to_local() if isinstance(grad, DTensor) else grad
+            if host_pending:
+                pending.host_adds.append((local, p.local_rows(chunk)))
+            else:
+                local.add_(p.local_rows(chunk))
+        pending.done = streams.record()
+        pending.stage = ReduceStage.DELIVERED
+        if host_pending:
+            pending.hooks_due = list(pending.params)
+        else:
+            _fire_post_accumulate_hooks(pending.params)
+
+    def discard(self) -> None:
+        """Drop gradients not yet reduced (after a failed iteration)."""
+        for p in self.group.params:
+            p.unsharded.grad = None
+            p.accumulated_grad = None
+        self._partial_sums.clear()
+
+
+def pack_rank_major(layout: GroupLayout, grads: list[torch.Tensor], out: torch.Tensor) -> None:
+    """Fill the ``(world_size, shard_numel)`` reduce-scatter input: each gradient chunked over the ranks.
+
+    Two ranks, gradients ``a = [a0 a1 a2]`` (padded to 4 rows) and ``b = [b0 b1]``:
+    row 0 is ``a0 a1 b0``, row 1 ``a2 __ b1`` (``__`` = zero padding).
+    """
+    world_size = layout.world_size
+    nonempty = [(g, lay, off) for g, lay, off in zip(grads, layout.params, layout.shard_offsets) if lay.shard_numel]
+    if not nonempty:
+        return
+    if all(lay.shard_dim == 0 for _, lay, _ in nonempty):  # one kernel; casts to the reduce dtype on the way
+        torch._chunk_cat([g for g, _, _ in nonempty], dim=0, num_chunks=world_size, out=out)
+        return
+    for grad, lay, off in nonempty:
+        padded = grad
+        if not lay.is_even:
+            padded = grad.new_zeros(lay.padded_shape)
+            padded.narrow(lay.shard_dim, 0, lay.dim_size).copy_(grad)
+        dst = out[:, off : off + lay.shard_numel].view(world_size, *lay.chunk_shape)
+        dst.copy_(rank_axis_view(padded.contiguous(), lay.shard_dim, world_size))

@@ -1,0 +1,210 @@
+"""The accelerator path: side streams, events, pinned memory and NCCL on one GPU (skipped without CUDA).
+
+Run on a machine with a GPU, plainly and under torch's stream-race detector:
+
+    python3 -m pytest -q tests/cuda
+    TORCH_CUDA_SANITIZER=1 python3 -m pytest -q tests/cuda
+
+One process, world size 1 over NCCL: no collective goes on the wire, but every
+copy-in, cast, reduction epilogue, offload copy and the events that order them
+run on their streams exactly as at any world size.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.utils._pytree import tree_map_only
+
+from fullshard import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard, no_sync
+from tests.models import MLP, Transformer, lm_loss, mse_loss
+from tests.parity import assert_parity, random_batches, regression_batch, token_batch, train
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+BF16 = torch.bfloat16
+FP32_TOL = {"rtol": 1e-4, "atol": 1e-5}  # cuBLAS may pick other kernels for the differently aligned views
+BF16_TOL = {"rtol": 2e-2, "atol": 2e-2}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def nccl_group(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    torch.cuda.set_device(0)
+    store = dist.FileStore(str(tmp_path_factory.mktemp("rendezvous") / "store"), 1)
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def on_cuda(loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def loss(model: nn.Module, batch: Any) -> torch.Tensor:
+        return loss_fn(model, tree_map_only(torch.Tensor, lambda t: t.cuda(), batch))
+
+    return loss
+
+
+def cuda_parity(
+    build: Callable[[], nn.Module], shard: Callable[[nn.Module], None], make_batch: Any, loss_fn: Any,
+    steps: int = 4, **tol: float,
+) -> nn.Module:
+    torch.manual_seed(0)
+    ref = build().cuda()
+    torch.manual_seed(0)
+    model = build()  # on CPU: fully_shard moves each shard to the GPU
+    shard(model)
+    batches = random_batches(steps, 1, make_batch)
+    ref_trace = train(ref, batches, on_cuda(loss_fn), rank=None)
+    trace = train(model, batches, on_cuda(loss_fn), rank=0)
+    assert_parity(ref_trace, trace, 0, **tol)
+    torch.cuda.synchronize()
+    return model
+
+
+def shard_blocks(model: nn.Module, **kwargs: Any) -> None:
+    for block in model.blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+
+
+def test_fp32_parity() -> None:
+    model = cuda_parity(Transformer, shard_blocks, token_batch, lm_loss, **FP32_TOL)
+    assert all(p.device.type == "cuda" for p in model.parameters())
+
+
+def test_bf16_mixed_precision_parity() -> None:
+    from tests.test_mixed_precision import reference_casts, shard_with
+
+    policy = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32, output_dtype=torch.float32)
+    cuda_parity(Transformer, functools.partial(shard_with, policy, "blocks"), token_batch,
+                reference_casts(lm_loss, BF16, torch.float32), **BF16_TOL)
+
+
+@pytest.mark.parametrize("mode", ["synced", "no_sync"])
+def test_cpu_offload_with_accumulation_parity(mode: str) -> None:
+    from tests.test_grad_accumulation import two_micro_batches
+
+    model = cuda_parity(Transformer, functools.partial(shard_blocks, offload_policy=CPUOffloadPolicy(pin_memory=True)),
+                        token_batch, functools.partial(two_micro_batches, mode, 1), **FP32_TOL)
+    for p in model.parameters():
+        assert p.to_local().device.type == "cpu" and p.to_local().is_pinned()
+
+
+def test_no_sync_context_with_offload() -> None:
+    def loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        if isinstance(model, FSDPModule):
+            with no_sync(model):
+                lm_loss(model, tokens[:2]).backward()
+        else:
+            lm_loss(model, tokens[:2]).backward()
+        return lm_loss(model, tokens[2:])
+
+    cuda_parity(Transformer, functools.partial(shard_blocks, offload_policy=CPUOffloadPolicy()), token_batch, loss,
+                **FP32_TOL)
+
+
+def test_reshard_after_forward_int_and_hsdp_mesh() -> None:
+    cuda_parity(Transformer, functools.partial(shard_blocks, reshard_after_forward=1), token_batch, lm_loss, **FP32_TOL)
+    mesh = init_device_mesh("cuda", (1, 1), mesh_dim_names=("replicate", "shard"))
+    cuda_parity(Transformer, functools.partial(shard_blocks, mesh=mesh), token_batch, lm_loss, **FP32_TOL)
+
+
+def test_post_optim_event_and_all_reduce_hook_stream() -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    hook_stream = torch.cuda.Stream()
+    seen: list[torch.cuda.Stream] = []
+    model.layers[1].set_all_reduce_hook(lambda t: (seen.append(torch.cuda.current_stream()), t.mul_(1.0)), stream=hook_stream)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for batch in random_batches(3, 1, regression_batch):
+        on_cuda(mse_loss)(model, batch[0]).backward()
+        opt.step()
+        opt.zero_grad()
+        model.set_post_optim_event(torch.cuda.current_stream().record_event())
+    assert seen and all(s == hook_stream for s in seen)
+
+
+# ---- overlap and memory -------------------------------------------------------------------------------
+
+
+class Wide(nn.Module):
+    def __init__(self, dim: int = 2048, n_blocks: int = 6) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(dim, dim), nn.GELU()) for _ in range(n_blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_next_all_gather_overlaps_compute(tmp_path: Any) -> None:
+    """bf16: each group's copy-in (the cast into the all-gather input) runs on the all-gather stream while the
+    previous group's matmuls run on the compute stream."""
+    model = Wide()
+    shard_blocks(model, mp_policy=MixedPrecisionPolicy(param_dtype=BF16))
+    x = torch.randn(8192, 2048, device="cuda")
+    for _ in range(2):  # record the order, warm up
+        model(x).float().sum().backward()
+    torch.cuda.synchronize()
+    trace = tmp_path / "trace.json"
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        model(x).float().sum().backward()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(str(trace))
+    kernels = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("cat") == "kernel"]
+    gemms = [e for e in kernels if "gemm" in e["name"].lower() or "matmul" in e["name"].lower()]
+    assert gemms, "no matmul kernels in the trace"
+    compute_stream = max({e["args"]["stream"] for e in gemms}, key=lambda s: sum(e["args"]["stream"] == s for e in gemms))
+    side = [e for e in kernels if e["args"]["stream"] != compute_stream]
+    assert side, "nothing ran on a communication stream"
+
+    def overlaps(a: dict[str, Any], b: dict[str, Any]) -> bool:
+        return a["ts"] < b["ts"] + b["dur"] and b["ts"] < a["ts"] + a["dur"]
+
+    overlapped = [k for k in side if any(overlaps(k, g) for g in gemms if g["args"]["stream"] == compute_stream)]
+    assert overlapped, f"no side-stream kernel overlaps a matmul: {[k['name'] for k in side][:10]}"
+
+
+def _peak_bytes(shard: Callable[[nn.Module], None]) -> int:
+    torch.manual_seed(0)
+    model = Wide(dim=1024, n_blocks=8)
+    shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(2048, 1024, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(3):
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    del model, opt
+    torch.cuda.empty_cache()
+    return peak
+
+
+def test_peak_memory_against_fsdp2() -> None:
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    def shard_torch(model: nn.Module) -> None:
+        model.cuda()
+        for block in model.blocks:
+            torch_fully_shard(block)
+        torch_fully_shard(model)
+
+    ours = _peak_bytes(shard_blocks)
+    theirs = _peak_bytes(shard_torch)
+    print(f"peak memory: fullshard {ours / 2**20:.1f} MiB, FSDP2 {theirs / 2**20:.1f} MiB ({ours / theirs:.3f}x)")
+    assert ours <= 1.05 * theirs, (ours, theirs)

@@ -1,0 +1,381 @@
+"""What real models do to the runtime: outputs in dataclasses, list groups, changing control flow, hooks on
+sharded parameters (optimizer in backward), zero-element parameters, HSDP partial sums, setter semantics."""
+
+from __future__ import annotations
+
+from collections import namedtuple
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from fullshard import fully_shard
+from fullshard.group import ShardedState
+from fullshard.runtime import state_of, states_in
+from tests.comm import CommRecorder
+from tests.harness import run_ranks
+from tests.models import MLP, mse_loss
+from tests.parity import assert_parity, random_batches, regression_batch, run_parity, train
+
+# ---- outputs in dataclasses, namedtuples and nested containers --------------------------------------
+
+
+@dataclass
+class BlockOut:
+    hidden: torch.Tensor
+    extras: dict[str, Any]
+
+
+Pair = namedtuple("Pair", ["main", "side"])
+
+
+class ContainerBlock(nn.Module):
+    """Returns its tensors inside a plain dataclass (one of them nested in a dict and a list)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+        self.gate = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> BlockOut:
+        return BlockOut(torch.tanh(self.lin(x)), {"gates": [torch.sigmoid(self.gate(x))]})
+
+
+class PairBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.a = nn.Linear(dim, dim)
+        self.b = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> Pair:
+        return Pair(self.a(x), {"nested": (self.b(x), None)})
+
+
+class ContainerModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(7, 6)
+        self.blocks = nn.ModuleList([ContainerBlock(6), PairBlock(6), ContainerBlock(6)])
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            out = block(h)
+            if isinstance(out, BlockOut):
+                h = out.hidden * out.extras["gates"][0]
+            else:
+                h = out.main + out.side["nested"][0]
+        return self.out(h)
+
+
+def shard_blocks(model: nn.Module) -> None:
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+
+
+def _container_outputs(rank: int, world_size: int) -> None:
+    run_parity(rank, world_size, ContainerModel, shard_blocks, regression_batch, mse_loss)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_outputs_in_dataclasses_and_namedtuples(world_size: int) -> None:
+    run_ranks(world_size, _container_outputs)
+
+
+# ---- a list of modules is one group: one all-gather and one reduce-scatter per pass -----------------
+
+
+class Towers(nn.Module):
+    """Two towers used one after the other, sharded together as one list group."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(7, 6)
+        self.left = nn.Linear(6, 6)
+        self.right = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.stem(x))
+        return self.head(torch.tanh(self.right(torch.tanh(self.left(h)))))
+
+
+def shard_towers(model: nn.Module) -> None:
+    fully_shard(model.stem)
+    fully_shard([model.left, model.right])
+    fully_shard(model)
+
+
+def _list_group(rank: int, world_size: int) -> None:
+    _, model = run_parity(rank, world_size, Towers, shard_towers, regression_batch, mse_loss)
+    rec = CommRecorder(model)
+    for step_batches in random_batches(2, world_size, regression_batch):
+        mse_loss(model, step_batches[rank]).backward()
+        events = rec.take()
+        towers = [e for e in events if e[0] == "ag" and e[1] not in ("root", "stem")]
+        # forward and backward: one all-gather each for the pair (reshard_after_forward), never one per module
+        assert len(towers) == 2, events
+        assert sum(e[0] == "rs" for e in events) == 3, events  # stem, towers, root
+        assert state_of(model.left).group.state is ShardedState.SHARDED
+    rec.close()
+
+
+def test_list_group_collectives_once_per_pass() -> None:
+    run_ranks(2, _list_group)
+
+
+class Reused(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(7, 5)
+        self.block = nn.Linear(5, 5)
+        self.out = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.block(torch.tanh(self.inp(x))))
+        return self.out(torch.tanh(self.block(h)))
+
+
+def _called_twice_reduces_once(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = Reused()
+    fully_shard(model.block)
+    fully_shard(model)
+    rec = CommRecorder(model)
+    mse_loss(model, random_batches(1, world_size, regression_batch)[0][rank]).backward()
+    # Backward keeps the block unsharded from its second call's backward to its first's (one all-gather),
+    # then one reduce-scatter reduces the gradients of both calls.
+    backward = rec.events[rec.events.index(("fwd", "block"), 4) + 1 :]
+    assert backward == [("ag", "block"), ("rs", "36"), ("rs", "72")], rec.events
+    rec.close()
+
+
+def test_module_called_twice_reduces_once() -> None:
+    run_ranks(2, _called_twice_reduces_once)
+
+
+# ---- control flow that changes the order between iterations -----------------------------------------
+
+
+class Skipping(MLP):
+    """Runs layer 1 on odd steps only: the order of the groups changes every step."""
+
+    def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:  # type: ignore[override]
+        h = torch.relu(self.layers[0](x))
+        if step % 2:
+            h = torch.relu(self.layers[1](h))
+        return self.layers[2](h)
+
+
+def build_skipping() -> nn.Module:
+    return Skipping((7, 13, 13, 3))
+
+
+def shard_layers(model: nn.Module) -> None:
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+
+
+def skipping_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor, int]) -> torch.Tensor:
+    x, y, step = batch
+    return nn.functional.mse_loss(model(x, step), y)
+
+
+def _changing_order(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    ref = build_skipping()
+    torch.manual_seed(0)
+    model = build_skipping()
+    shard_layers(model)
+    root, layers = state_of(model), [state_of(layer) for layer in model.layers]
+
+    def checked_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor, int]) -> torch.Tensor:
+        step = batch[2]
+        if step:  # the plan follows the previous step's order; the root prefetches the last layer in backward
+            ran = layers if (step - 1) % 2 else [layers[0], layers[2]]
+            assert root.ctx.forward_next[layers[0]] == [ran[1]], step
+            assert root.ctx.backward_next[root] == [ran[-1]], step
+        loss = skipping_loss(model, batch)
+        held = [s.label for s in layers if s.group.state is not ShardedState.SHARDED]
+        assert held == [], f"step {step}: a prefetch for a layer that did not run is still unsharded: {held}"
+        return loss
+
+    gen = torch.Generator().manual_seed(0)
+    batches = [[(*regression_batch(gen), step) for _ in range(world_size)] for step in range(5)]
+    trace = train(model, batches, checked_loss, rank=rank)
+    assert_parity(train(ref, batches, skipping_loss, rank=None), trace, rank)
+
+
+def test_control_flow_changes_the_order() -> None:
+    run_ranks(2, _changing_order)
+
+
+# ---- register_post_accumulate_grad_hook: optimizer in backward ---------------------------------------
+
+
+def _optimizer_in_backward(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    ref = MLP()
+    torch.manual_seed(0)
+    model = MLP()
+    shard_layers(model)
+    fired: dict[str, int] = {}
+    optims: dict[nn.Parameter, torch.optim.Optimizer] = {}
+    names = {p: n for n, p in model.named_parameters()}
+
+    def step_in_backward(param: torch.Tensor) -> None:
+        assert param.grad is not None and param.grad.placements == param.placements  # the reduced sharded gradient
+        fired[names[param]] = fired.get(names[param], 0) + 1
+        optims[param].step()
+        optims[param].zero_grad()
+
+    for p in model.parameters():
+        optims[p] = torch.optim.SGD([p], lr=0.05, momentum=0.9)
+        p.register_post_accumulate_grad_hook(step_in_backward)
+    ref_optim = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    for step, step_batches in enumerate(random_batches(3, world_size, regression_batch)):
+        ref_losses = [mse_loss(ref, b) for b in step_batches]
+        (sum(ref_losses) / world_size).backward()
+        ref_optim.step()
+        ref_optim.zero_grad()
+        loss = mse_loss(model, step_batches[rank])
+        torch.testing.assert_close(loss, ref_losses[rank].detach(), msg=f"step {step}")
+        loss.backward()
+        assert fired == dict.fromkeys(names.values(), step + 1), fired  # once per parameter per backward
+        assert all(p.grad is None for p in model.parameters())
+    full = {n: p.full_tensor() for n, p in model.named_parameters()}
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(full[n], p.detach(), msg=n)
+
+
+def test_post_accumulate_grad_hooks_fire_once_per_backward() -> None:
+    run_ranks(2, _optimizer_in_backward)
+
+
+# ---- zero-element parameters --------------------------------------------------------------------------
+
+
+class WithEmpty(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(7, 5)
+        self.empty_rows = nn.Parameter(torch.zeros(0, 5))
+        self.empty_cols = nn.Parameter(torch.zeros(5, 0))
+        self.b = nn.Linear(5, 3)
+        self.nothing = nn.Linear(5, 0)  # a whole layer of zero elements, its own group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        h = h + (h @ self.empty_cols @ self.empty_rows) + self.nothing(h).sum()
+        return self.b(h)
+
+
+def shard_with_empty(model: nn.Module) -> None:
+    fully_shard(model.nothing)
+    fully_shard(model)
+
+
+def _zero_element(rank: int, world_size: int) -> None:
+    _, model = run_parity(rank, world_size, WithEmpty, shard_with_empty, regression_batch, mse_loss)
+    assert model.empty_rows.shape == (0, 5) and model.nothing.weight.shape == (0, 5)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_zero_element_parameters(world_size: int) -> None:
+    run_ranks(world_size, _zero_element)
+
+
+# ---- HSDP partial sums are never dropped --------------------------------------------------------------
+
+
+class Gated(nn.Module):
+    """``side`` (its own group) and ``main.bias2`` take part only when ``use_side``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.main = nn.Linear(7, 3)
+        self.extra = nn.Parameter(torch.zeros(3))
+        self.side = nn.Linear(7, 3)
+
+    def forward(self, x: torch.Tensor, use_side: bool) -> torch.Tensor:
+        out = self.main(x)
+        return out + self.extra + self.side(x) if use_side else out
+
+
+def _hsdp_partial_sums(rank: int, world_size: int) -> None:
+    mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    ref = Gated()
+    torch.manual_seed(0)
+    model = Gated()
+    fully_shard(model.side, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
+    rec = CommRecorder(model)
+    for step, step_batches in enumerate(random_batches(2, world_size, regression_batch)):
+        # Micro-batch 1 uses every parameter and keeps per-replica sums; micro-batch 2 uses neither `extra`
+        # nor the `side` group, and all-reduces: their partial sums must still arrive.
+        ref_loss = sum(mse_loss_gated(ref, b, True) + mse_loss_gated(ref, b, False) for b in step_batches)
+        (ref_loss / world_size).backward()
+        model.set_requires_all_reduce(False)
+        mse_loss_gated(model, step_batches[rank], True).backward()
+        assert rec.count("ar") == 0, rec.events
+        model.set_requires_all_reduce(True)
+        model.set_requires_gradient_sync(True)  # does not undo the all-reduce setting either way
+        mse_loss_gated(model, step_batches[rank], False).backward()
+        events = rec.take()
+        assert sum(e[0] == "ar" for e in events) == 2, events  # the root group and the side group
+        for n, p in ref.named_parameters():
+            torch.testing.assert_close(dict(model.named_parameters())[n].grad.full_tensor(), p.grad, msg=f"{step} {n}")
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    rec.close()
+
+
+def mse_loss_gated(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], use_side: bool) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.mse_loss(model(x, use_side), y)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_hsdp_partial_sums_never_dropped(world_size: int) -> None:
+    run_ranks(world_size, _hsdp_partial_sums)
+
+
+# ---- setter semantics -----------------------------------------------------------------------------------
+
+
+def _setters(rank: int, world_size: int) -> None:
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    model = MLP()
+    shard_layers_on(model, mesh)
+    model.set_requires_all_reduce(False)
+    model.set_requires_gradient_sync(False)
+    model.set_requires_gradient_sync(True)
+    settings = [s.group.reducer.settings for s in states_in(model) if s.group is not None]
+    assert all(s.requires_gradient_sync and not s.requires_all_reduce for s in settings)
+    rec = CommRecorder(model)
+    mse_loss(model, random_batches(1, world_size, regression_batch)[0][rank]).backward()
+    assert rec.count("ar") == 0, rec.events  # sync on, all-reduce still off
+    model.layers[0].set_requires_all_reduce(True, recurse=False)
+    assert [s.requires_all_reduce for s in settings] == [True, False, False]
+    rec.close()
+    assert dist.get_world_size() == 2
+
+
+def shard_layers_on(model: nn.Module, mesh: Any) -> None:
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def test_setters_are_independent() -> None:
+    run_ranks(2, _setters)
