@@ -116,6 +116,11 @@ class ParamGroup:
         alias = self.unsharded_buffer.data
         for p, region in zip(self.params, self.split(alias, self.layout, unsharded=True)):
             p.bind_unsharded(region)
+        # Views for the copy-out, made once: they stay valid across storage resizes.
+        self._regions = self.split(self.unsharded_buffer, self.layout, unsharded=True)
+        world_size = self.layout.world_size
+        self._rank_major_regions = [r.view(world_size, -1) for r in self._regions]
+        self._dim0_only = all(p.layout.shard_dim == 0 for p in self.params)
         self._free_unsharded()
 
     @property
@@ -323,15 +328,12 @@ class ParamGroup:
         chunks, whose padded rows always fit inside the full layout's.
         """
         world_size = src.world_size
-        regions = self.split(self.unsharded_buffer, self.layout, unsharded=True)
         rank_major = output.view(world_size, -1)
-        if src is self.layout and all(p.layout.shard_dim == 0 for p in self.params):
+        if src is self.layout and self._dim0_only:
             # Row r of a dim-0 parameter's padded full tensor is rank r's chunk.
-            torch.split_with_sizes_copy(
-                rank_major, list(self.layout.shard_numels), dim=1, out=[r.view(world_size, -1) for r in regions]
-            )
+            torch.split_with_sizes_copy(rank_major, self.layout.shard_numels, dim=1, out=self._rank_major_regions)
             return
-        for p, region, lay, off in zip(self.params, regions, src.params, src.shard_offsets):
+        for p, region, lay, off in zip(self.params, self._regions, src.params, src.shard_offsets):
             chunks = rank_major[:, off : off + lay.shard_numel].view(world_size, *lay.chunk_shape)
             full = region.view(p.layout.padded_shape).narrow(lay.shard_dim, 0, lay.padded_shape[lay.shard_dim])
             rank_axis_view(full, lay.shard_dim, world_size).copy_(chunks)

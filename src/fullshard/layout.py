@@ -63,39 +63,39 @@ class ParamLayout:
         if self.world_size < 1:
             raise ValueError(f"world size must be positive, got {self.world_size}")
 
-    @property
+    @cached_property
     def dim_size(self) -> int:
         return self.shape[self.shard_dim]
 
-    @property
+    @cached_property
     def chunk_rows(self) -> int:
         """Rows of the shard dim each rank reserves (the padded chunk)."""
         return math.ceil(self.dim_size / self.world_size)
 
-    @property
+    @cached_property
     def row_numel(self) -> int:
         """Elements in one row, i.e. one index along the shard dim."""
         return math.prod(self.shape) // self.dim_size if self.dim_size else 0
 
-    @property
+    @cached_property
     def chunk_shape(self) -> tuple[int, ...]:
         return self._with_shard_dim(self.chunk_rows)
 
-    @property
+    @cached_property
     def shard_numel(self) -> int:
         """Elements one rank reserves in its flat shard buffer, padding included."""
         return self.chunk_rows * self.row_numel
 
-    @property
+    @cached_property
     def padded_shape(self) -> tuple[int, ...]:
         return self._with_shard_dim(self.chunk_rows * self.world_size)
 
-    @property
+    @cached_property
     def unsharded_numel(self) -> int:
         """Elements in the unsharded buffer, padding included."""
         return self.shard_numel * self.world_size
 
-    @property
+    @cached_property
     def is_even(self) -> bool:
         return self.dim_size % self.world_size == 0
 
@@ -143,7 +143,7 @@ class GroupLayout:
         """Length of the flat shard buffer (every rank's is the same)."""
         return sum(p.shard_numel for p in self.params)
 
-    @property
+    @cached_property
     def shard_numels(self) -> tuple[int, ...]:
         return tuple(p.shard_numel for p in self.params)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.distributed as dist
@@ -18,35 +19,36 @@ class MeshInfo:
 
     A 1-D mesh shards over its only axis. A 2-D mesh is ``(replicate, shard)``:
     parameters are sharded within each row and gradients all-reduced across
-    rows; a shard axis of size 1 is plain data parallel (DDP).
+    rows; a shard axis of size 1 is plain data parallel (DDP). Groups, sizes and
+    ranks are looked up once (the mesh does not change).
     """
 
     mesh: DeviceMesh
     shard_axis: int | None = 0  # None: nothing is sharded (replicate-only, like DDP)
     replicate_axis: int | None = None
 
-    @property
+    @cached_property
     def shard_group(self) -> dist.ProcessGroup | None:
         """``None`` when parameters are not sharded: collectives over it are skipped."""
         return None if self.shard_axis is None else self.mesh.get_group(self.shard_axis)
 
-    @property
+    @cached_property
     def shard_size(self) -> int:
         return 1 if self.shard_axis is None else self.mesh.size(self.shard_axis)
 
-    @property
+    @cached_property
     def shard_rank(self) -> int:
         return 0 if self.shard_axis is None else self.mesh.get_local_rank(self.shard_axis)
 
-    @property
+    @cached_property
     def replicate_group(self) -> dist.ProcessGroup | None:
         return None if self.replicate_axis is None else self.mesh.get_group(self.replicate_axis)
 
-    @property
+    @cached_property
     def replicate_size(self) -> int:
         return 1 if self.replicate_axis is None else self.mesh.size(self.replicate_axis)
 
-    @property
+    @cached_property
     def data_parallel_size(self) -> int:
         return self.shard_size * self.replicate_size
 

@@ -9,6 +9,7 @@ from typing import cast
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from fullshard.layout import ParamLayout
 from fullshard.mesh import MeshInfo
@@ -99,6 +100,7 @@ class ShardedParam:
         self.shared_with = _claim_original(original, self)
         # Unsharded gradients kept across no-sync backwards when the reduce dtype differs.
         self.accumulated_grad: torch.Tensor | None = None
+        self._specs: dict[torch.dtype, DTensorSpec] = {}  # see as_dtensor_of
         self.sharded: DTensor = cast(DTensor, original)  # replaced by bind_shard
         self.unsharded: nn.Parameter = original  # replaced by bind_unsharded
 
@@ -124,9 +126,17 @@ class ShardedParam:
         return self.as_dtensor_of(self.local_rows(padded_chunk))
 
     def as_dtensor_of(self, local: torch.Tensor) -> DTensor:
-        """A DTensor sharded like this parameter, with ``local`` (this rank's rows) as its local tensor."""
+        """A DTensor sharded like this parameter, with ``local`` (this rank's rows) as its local tensor.
+
+        The DTensor's spec (mesh, placements, global shape, stride, dtype) is built once per dtype
+        and reused: ``DTensor.from_local`` costs about ten times more, and gradients need a new
+        DTensor per parameter and step.
+        """
+        spec = self._specs.get(local.dtype)
+        if spec is not None and not local.requires_grad:
+            return DTensor(local, spec, requires_grad=False)
         lay = self.layout
-        return DTensor.from_local(
+        value = DTensor.from_local(
             local,
             self.mesh_info.mesh,
             self.mesh_info.placements(lay.shard_dim),
@@ -134,6 +144,8 @@ class ShardedParam:
             shape=torch.Size(lay.shape),
             stride=contiguous_stride(lay.shape),
         )
+        self._specs[local.dtype] = value._spec
+        return value
 
     def bind_shard(self, padded_chunk: torch.Tensor, requires_grad: bool) -> None:
         with torch.no_grad():

@@ -36,10 +36,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.autograd.profiler import record_function
 from torch.distributed.tensor import DTensor
 
-from fullshard.collectives import PendingCollective, all_reduce, reduce_scatter, run_hook_on
+from fullshard.collectives import PendingCollective, all_reduce, profiled, reduce_scatter, run_hook_on
 from fullshard.layout import GroupLayout
 from fullshard.param import ShardedParam, rank_axis_view
 
@@ -230,7 +229,7 @@ class GradReducer:
         params = [p for p, keep in zip(group.params, with_grad) if keep]
         op, before, _ = self._reduce_op_and_factors()
         inp = torch.empty(layout.world_size, layout.shard_numel, dtype=group.reduce_dtype, device=group.device)
-        with record_function(f"fullshard::reduce_scatter_copy_in {group.label}"):
+        with profiled("reduce_scatter_copy_in", group.label):
             pack_rank_major(layout, [g for g in taken if g is not None], inp)
             if before != 1.0:
                 inp.div_(before)

@@ -51,10 +51,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
-from torch.autograd.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
-from fullshard.collectives import CommStreams
+from fullshard.collectives import CommStreams, profiled
 from fullshard.group import ParamGroup, ShardedState
 from fullshard.policy import MixedPrecisionPolicy
 from fullshard.reduce import PendingReduce
@@ -178,7 +177,7 @@ class IterationContext:
             self.inputs_in_flight.popleft().release_input()
 
     def end_of_backward(self) -> None:
-        with record_function("fullshard::end_of_backward"):
+        with profiled("end_of_backward"):
             for state in self.states:
                 group = state.group
                 if group is not None and (
@@ -353,7 +352,7 @@ class HookState:
         self.training_state = TrainingState.FORWARD
         ctx.record_pre_forward(self)
         if self.group is not None:
-            with record_function(f"fullshard::pre_forward {self.label}"):
+            with profiled("pre_forward", self.label):
                 self.group.unshard(async_op=True)
                 targets = self.forward_prefetch
                 self._prefetch(ctx.forward_next.get(self, ()) if targets is None else targets, backward=False)
@@ -397,12 +396,23 @@ class HookState:
             if backward and not target.unshard_in_backward:
                 continue
             if target.group is not None and target.group.state in (ShardedState.SHARDED, ShardedState.SHARDED_POST_FORWARD):
-                with record_function(f"fullshard::prefetch {target.label}"):
+                with profiled("prefetch", target.label):
                     target.group.unshard(async_op=True)
 
     def _wrap_inputs_for_post_backward(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if not kwargs and all(type(x) is torch.Tensor for x in args):  # the common case, without pytree
+            positions = [i for i, x in enumerate(args) if x.requires_grad]
+            if not positions:
+                return args, kwargs
+            wrapped = _PostBackward.apply(self, *(args[i] for i in positions))
+            if len(positions) == len(args):
+                return tuple(wrapped), kwargs
+            new_args = list(args)
+            for i, tensor in zip(positions, wrapped):
+                new_args[i] = tensor
+            return tuple(new_args), kwargs
         flat, spec = tree_flatten((args, kwargs))
         positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
         if not positions:
@@ -430,7 +440,7 @@ class HookState:
         self.training_state = TrainingState.PRE_BACKWARD
         if self.group is None or not self.unshard_in_backward:
             return
-        with record_function(f"fullshard::pre_backward {self.label}"):
+        with profiled("pre_backward", self.label):
             self.group.unshard(async_op=True)
             self._prefetch(self._backward_targets(BackwardPrefetchMode.PRE), backward=True)
             self.group.wait_for_unshard()
@@ -463,7 +473,7 @@ class HookState:
             self.training_state = TrainingState.IDLE
             return
         self.training_state = TrainingState.POST_BACKWARD
-        with record_function(f"fullshard::post_backward {self.label}"):
+        with profiled("post_backward", self.label):
             if self.reshard_after_backward:
                 self.group.reshard()
             if in_backward_pass:
@@ -481,6 +491,8 @@ class HookState:
 def tensors_in(tree: Any) -> list[torch.Tensor]:
     """Every tensor in ``tree``: pytree containers (lists, tuples, namedtuples, dicts, registered classes such
     as Hugging Face's ``ModelOutput``) and, beyond what pytree knows, the fields of plain dataclasses."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
     found: list[torch.Tensor] = []
     pending = [tree]
     seen: set[int] = set()
