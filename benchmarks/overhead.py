@@ -4,7 +4,9 @@ The model is a chain of small linear layers, one group each (plus the root's
 head), so compute is negligible and the step time is mostly the runtime's own
 work: hooks, state changes, collective calls, gradient bookkeeping. Overhead
 is the median forward + backward time of the sharded model minus that of the
-same model unwrapped, measured in rounds that alternate the three models.
+same model unwrapped, measured in rounds that alternate the three models; the
+last columns leave out the time spent inside the collective calls themselves
+(the fake backend's own cost, or gloo's issue cost), which both pay alike.
 
 - ``--fake``: in one process, with torch's fake process group standing in for
   8, 64 and 512 ranks (collectives return at once; shapes are those of a real
@@ -54,8 +56,33 @@ def step(model: nn.Module, x: torch.Tensor) -> None:
         p.grad = None
 
 
+class CallTimer:
+    """Seconds spent inside the collective calls (both implementations call them through ``dist``).
+
+    With the fake process group these calls are the backend's own bookkeeping, which grows with the
+    number of ranks and is the same for both implementations; the table also shows the overhead without it.
+    """
+
+    NAMES = ("all_gather_single", "reduce_scatter_single", "all_reduce")
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        for name in self.NAMES:
+            setattr(dist, name, self._timed(getattr(dist, name)))
+
+    def _timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.total += time.perf_counter() - start
+
+        return call
+
+
 def measure(n_groups: int, rounds: int, steps: int) -> dict[str, float]:
-    """Median seconds per step of each model, alternating them every round."""
+    """Median seconds per step of each model (and in its collective calls), alternating them every round."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
@@ -69,17 +96,22 @@ def measure(n_groups: int, rounds: int, steps: int) -> dict[str, float]:
     for model in models.values():
         for _ in range(3):
             step(model, x)
+    timer = CallTimer()
     times: dict[str, list[float]] = {name: [] for name in models}
+    in_calls: dict[str, list[float]] = {name: [] for name in models}
     for r in range(rounds):
         order = list(models.items())
         order = order[r % len(order):] + order[: r % len(order)]
         for name, model in order:
             dist.barrier()
-            start = time.perf_counter()
+            start, calls = time.perf_counter(), timer.total
             for _ in range(steps):
                 step(model, x)
             times[name].append((time.perf_counter() - start) / steps)
-    return {name: statistics.median(t) for name, t in times.items()}
+            in_calls[name].append((timer.total - calls) / steps)
+    return {name: statistics.median(t) for name, t in times.items()} | {
+        f"{name} calls": statistics.median(t) for name, t in in_calls.items()
+    }
 
 
 def fake_worker(world_size: int, n_groups: int, rounds: int, steps: int) -> dict[str, float]:
@@ -102,8 +134,10 @@ def gloo_worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
 
 def row(label: str, groups: int, t: dict[str, float]) -> str:
     ours, theirs = t["fullshard"] - t["plain"], t["torch-fsdp2"] - t["plain"]
+    ours_own, theirs_own = ours - t["fullshard calls"], theirs - t["torch-fsdp2 calls"]
     return (f"| {label} | {groups} | {t['plain'] * 1e3:.2f} | {ours * 1e3:.2f} | {theirs * 1e3:.2f} | "
-            f"{ours / groups * 1e6:.0f} | {theirs / groups * 1e6:.0f} | {ours / theirs:.2f} |")
+            f"{ours / groups * 1e6:.0f} | {theirs / groups * 1e6:.0f} | {ours / theirs:.2f} | "
+            f"{ours_own / groups * 1e6:.0f} | {theirs_own / groups * 1e6:.0f} | {ours_own / theirs_own:.2f} |")
 
 
 def main() -> None:
@@ -120,8 +154,9 @@ def main() -> None:
         print(json.dumps(fake_worker(*args.child, args.rounds, args.steps)))
         return
     print("| ranks | groups | unwrapped step ms | fullshard overhead ms | FSDP2 overhead ms | "
-          "fullshard us/group | FSDP2 us/group | ratio |")
-    print("|---|---|---|---|---|---|---|---|")
+          "fullshard us/group | FSDP2 us/group | ratio | fullshard us/group outside collective calls | "
+          "FSDP2 us/group outside collective calls | ratio |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     if not args.fake:
         launch.run(gloo_worker, 2, args)
     if not args.gloo:

@@ -8,6 +8,7 @@ contains it. A failed ``fully_shard`` leaves the module as it was.
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -15,9 +16,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from fullshard import FSDPModule, fully_shard
+from fullshard.runtime import state_of
+from tests.comm import CommRecorder
 from tests.harness import run_ranks
 from tests.models import MLP, Transformer, lm_loss, mse_loss
-from tests.parity import assert_parity, random_batches, regression_batch, token_batch, train
+from tests.parity import assert_parity, random_batches, regression_batch, run_parity, token_batch, train
 
 
 def _assert_untouched(module: nn.Module, before: dict[str, torch.Tensor]) -> None:
@@ -69,37 +72,65 @@ def test_fsdp2_exception_types_and_messages() -> None:
     run_ranks(2, _fsdp2_exceptions)
 
 
-# ---- a parameter tied across two groups is never silently untied ------------------------------------
+# ---- a parameter tied across groups stays tied (see [Note: Tied parameters across groups]) -------------
 
 
-def _tie_across_groups(rank: int, world_size: int, layout: str) -> None:
-    model = Transformer()  # head.weight is tok.weight
+def shard_tied(layout: str, model: nn.Module) -> None:
+    """``model.head.weight is model.tok.weight``; the tie's modules sharded in separate calls."""
     fully_shard(model.tok)
     if layout == "siblings":
         fully_shard(model.head)
-    fully_shard(model)  # "nested": the tie's other user is left to the root
+    elif layout == "tied_after":
+        model.head.weight = model.tok.weight  # the tok group's sharded parameter
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+
+
+def _tie_across_groups(rank: int, world_size: int, layout: str) -> None:
+    _, model = run_parity(rank, world_size, Transformer, functools.partial(shard_tied, layout), token_batch, lm_loss)
+    assert model.tok.weight is model.head.weight  # still one parameter, trained once
+    root = state_of(model).group
+    tied = [p for p in root.params if p.sharded is model.tok.weight]
+    assert len(tied) == 1 and {site.module for site in tied[0].sites} == {model.tok, model.head}
+    assert state_of(model.tok).group is None  # its only parameter moved to the root's group
+    # One all-gather of the root serves both users; none for tok (or head).
+    rec = CommRecorder(model)
+    lm_loss(model, token_batch(torch.Generator().manual_seed(5)))
+    assert [e for e in rec.events if e[0] == "ag"] == [("ag", "root"), ("ag", "blocks.0"), ("ag", "blocks.1")], rec.events
+    rec.close()
+    sd = model.state_dict()
+    assert sd["tok.weight"].placements == (Shard(0),) and torch.equal(sd["tok.weight"].to_local(), sd["head.weight"].to_local())
+
+
+@pytest.mark.parametrize("layout", ["siblings", "nested", "tied_after"])
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_tie_across_groups_trains_tied(layout: str, world_size: int) -> None:
+    run_ranks(world_size, _tie_across_groups, layout)
+
+
+def _tie_without_common_ancestor(rank: int, world_size: int) -> None:
+    model = Transformer()
+    fully_shard(model.tok)
+    fully_shard(model.head)  # and nothing enclosing both: each group would train its own copy
     tokens = token_batch(torch.Generator().manual_seed(0))
-    # As with FSDP2, at lazy init (the first forward), on every rank, naming both parameters.
-    with pytest.raises(ValueError, match=r"Parameter 'head.weight' is shared with 'tok.weight', a parameter already managed by"):
+    with pytest.raises(ValueError, match=r"Parameter 'weight' is shared with 'weight', a parameter already managed by"):
         lm_loss(model, tokens)
 
 
-def _tie_made_after_fully_shard(rank: int, world_size: int) -> None:
+def _tie_sharded_differently(rank: int, world_size: int) -> None:
     model = Transformer()
-    model.head.weight = nn.Parameter(torch.randn(37, 12))
-    fully_shard(model.tok)
-    model.head.weight = model.tok.weight  # the sharded DTensor of the tok group
-    with pytest.raises(ValueError, match=r"'head.weight' is the sharded parameter of 'tok.weight', already managed by another"):
+    fully_shard(model.tok, shard_placement_fn=lambda p: Shard(1))
+    before = model.tok.weight
+    with pytest.raises(ValueError, match=r"'head.weight' is tied to 'weight' of the fully_shard group of 'Embedding', which "
+                                         r"shards it on another mesh or dim"):
         fully_shard(model)
+    assert state_of(model.tok).group.params[0].sharded is before and not isinstance(model, FSDPModule)
 
 
-@pytest.mark.parametrize("layout", ["siblings", "nested"])
-def test_tie_across_groups_is_an_error(layout: str) -> None:
-    run_ranks(2, _tie_across_groups, layout)
-
-
-def test_tie_made_after_fully_shard_is_an_error() -> None:
-    run_ranks(2, _tie_made_after_fully_shard)
+def test_tie_errors() -> None:
+    run_ranks(2, _tie_without_common_ancestor)
+    run_ranks(2, _tie_sharded_differently)
 
 
 def _layer_by_layer(rank: int, world_size: int) -> None:

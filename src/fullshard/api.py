@@ -17,10 +17,10 @@ from torch.distributed.tensor import DTensor, Shard
 
 from fullshard.collectives import CommStreams
 from fullshard.errors import AlreadyShardedError, UnsupportedError, UsageError
-from fullshard.group import ParamGroup
+from fullshard.group import ParamGroup, ShardedState
 from fullshard.layout import ParamLayout
 from fullshard.mesh import MeshInfo, mesh_device, post_forward_group, resolve_mesh
-from fullshard.param import ParamSite, ShardedParam
+from fullshard.param import ParamSite, ShardedParam, claimant_of
 from fullshard.policy import (
     CPUOffloadPolicy,
     MixedPrecisionPolicy,
@@ -96,38 +96,46 @@ def fully_shard(
     reshard_after_forward, post_forward_size = _resolve_reshard_after_forward(reshard_after_forward, mesh_info)
 
     managed = _managed_modules(modules)
-    sharded_elsewhere = _sharded_params_of_groups_below(modules)
+    below = _params_of_groups_below(modules)
+    below_sharded = {id(sp.sharded): sp for sp in below}
     ignored = set(ignored_params or ())
-    sites: dict[nn.Parameter, list[ParamSite]] = {}
-    fqns: dict[nn.Parameter, str] = {}
+    sites: dict[torch.Tensor, list[ParamSite]] = {}
+    fqns: dict[torch.Tensor, str] = {}
+    ties: dict[torch.Tensor, ShardedParam] = {}  # source -> the tie's first claimant, in a group below
     for prefix, mod in managed:
         for name, param in mod.named_parameters(recurse=False):
             if param in ignored:
                 continue
             fqn = f"{prefix}.{name}" if prefix else name
-            if param in sharded_elsewhere:
-                raise ValueError(
-                    f"parameter {fqn!r} is the sharded parameter of {sharded_elsewhere[param]!r}, already managed "
-                    "by another fully_shard group; a shared parameter must be sharded in one group: tie it before "
-                    "fully_shard, and call fully_shard on a module that contains every module using it"
-                )
-            if param not in sites:
-                fqns[param] = fqn
-                sites[param] = []
-            sites[param].append(ParamSite(mod, name))
+            tied = _tied_to(param, below, below_sharded)
+            source = param if tied is None else tied.sharded
+            if tied is not None:
+                ties[source] = tied
+            if source not in sites:
+                fqns[source] = fqn
+                sites[source] = []
+            sites[source].append(ParamSite(mod, name))
         for buf_name, buf in mod.named_buffers(recurse=False):
             if buf.device != device and buf.device.type != "meta":
                 mod._buffers[buf_name] = buf.to(device)
+    for first in _ties_among(below):  # modules below this call sharing a parameter
+        ties.setdefault(first.sharded, first)
+        fqns.setdefault(first.sharded, first.fqn)
+        sites.setdefault(first.sharded, [])
+    for tied_source, first in ties.items():
+        for sp in [first, *_tied_with(first, below)]:
+            sites[tied_source].extend(site for site in sp.sites if site not in sites[tied_source])
 
     params = list(sites)
-    _check_params(params, fqns, device)
+    _check_params([p for p in params if p not in ties], fqns, device)
+    layouts = {p: _layout(p, fqns[p], shard_placement_fn, mesh_info) for p in params}
+    leaving = _check_ties(ties, below, layouts, mesh_info, fqns)
     streams = CommStreams(device)
     group = None
+    for lower, taken in leaving.items():  # every check passed: only now change the groups below
+        lower.remove(taken)
     if params:
-        sharded = [
-            ShardedParam(fqns[p], sites[p], p, _layout(p, fqns[p], shard_placement_fn, mesh_info), mesh_info)
-            for p in params
-        ]
+        sharded = [ShardedParam(fqns[p], sites[p], p, layouts[p], mesh_info) for p in params]
         group = ParamGroup(
             sharded, params, mesh_info, device,
             mp_policy.param_dtype, mp_policy.reduce_dtype, streams,
@@ -138,6 +146,11 @@ def fully_shard(
         if post_forward_size is not None:
             group.set_post_forward_group(post_forward_group(mesh_info, post_forward_size))
         register_state_dict_hooks(group)
+    for lower in leaving:
+        if not lower.params:
+            for state in below.values():
+                if state.group is lower:
+                    state.group = None
     HookState(tuple(modules), group, device, reshard_after_forward, mp_policy, streams)
     for mod in modules:
         _become_fsdp_module(mod)
@@ -197,24 +210,82 @@ def _managed_modules(modules: list[nn.Module]) -> list[tuple[str, nn.Module]]:
     return managed
 
 
-def _sharded_params_of_groups_below(modules: list[nn.Module]) -> dict[torch.Tensor, str]:
-    """Sharded parameters of groups already formed under ``modules``, by their qualified names.
-
-    Such a parameter reached from a module outside its group was tied after
-    ``fully_shard``. An *original* parameter shared with another group (a tie
-    made before) is caught at lazy init, for every root, as FSDP2 does.
-    """
-    owned: dict[torch.Tensor, str] = {}
+def _params_of_groups_below(modules: list[nn.Module]) -> dict[ShardedParam, HookState]:
+    """The sharded parameters of the groups already formed under ``modules``, with their hook states."""
+    below: dict[ShardedParam, HookState] = {}
     for top in modules:
-        for name, mod in top.named_modules():
+        for mod in top.modules():
             state = state_of(mod)
             if state is not None and state.group is not None:
                 for p in state.group.params:
-                    owned[p.sharded] = f"{name}.{p.sites[0].name}" if name else p.sites[0].name
-    return owned
+                    below[p] = state
+    return below
 
 
-def _check_params(params: list[nn.Parameter], fqns: dict[nn.Parameter, str], device: torch.device) -> None:
+# [Note: Tied parameters across groups]
+# A parameter shared by modules of different fully_shard calls (an embedding in one
+# group, the output head tied to it in another) belongs to the nearest enclosing call:
+# when fully_shard runs on a common ancestor, it takes the parameter out of the groups
+# below (which keep the rest, relinked) and shards it itself, with every module using
+# it as a site, so one all-gather serves all of them and the tie holds. Found here:
+# - a module of this call holds the original parameter, or the sharded parameter of a
+#   group below (tied after fully_shard);
+# - two groups below sharded the same original (the later one knows the first one).
+# When no call on a common ancestor takes it, lazy init raises (two copies would train).
+
+
+def _tied_to(
+    param: torch.Tensor, below: dict[ShardedParam, HookState], below_sharded: dict[int, ShardedParam]
+) -> ShardedParam | None:
+    """The first sharded parameter of a group below that ``param`` is, or was sharded from."""
+    sp = below_sharded.get(id(param))
+    if sp is not None and sp.sharded is param:
+        return _first_claimant(sp, below)
+    claimant = claimant_of(param)
+    return _first_claimant(claimant, below) if claimant in below else None
+
+
+def _first_claimant(sp: ShardedParam, below: dict[ShardedParam, HookState]) -> ShardedParam:
+    while sp.shared_with is not None and sp.shared_with in below:
+        sp = sp.shared_with
+    return sp
+
+
+def _tied_with(first: ShardedParam, below: dict[ShardedParam, HookState]) -> list[ShardedParam]:
+    """The other sharded parameters below that share ``first``'s original."""
+    return [sp for sp in below if sp is not first and _first_claimant(sp, below) is first]
+
+
+def _ties_among(below: dict[ShardedParam, HookState]) -> dict[ShardedParam, None]:
+    return {_first_claimant(sp, below): None for sp in below if sp.shared_with is not None and sp.shared_with in below}
+
+
+def _check_ties(
+    ties: dict[torch.Tensor, ShardedParam], below: dict[ShardedParam, HookState],
+    layouts: dict[torch.Tensor, ParamLayout], mesh_info: MeshInfo, fqns: dict[torch.Tensor, str],
+) -> dict[ParamGroup, list[ShardedParam]]:
+    """Which sharded parameters leave which group below; raise before anything changes if one cannot."""
+    leaving: dict[ParamGroup, list[ShardedParam]] = {}
+    for source, first in ties.items():
+        for sp in [first, *_tied_with(first, below)]:
+            group = below[sp].group
+            assert group is not None
+            if sp.mesh_info.mesh != mesh_info.mesh or sp.layout != layouts[source]:
+                raise ValueError(
+                    f"parameter {fqns[source]!r} is tied to {sp.fqn!r} of the fully_shard group of "
+                    f"{group.label!r}, which shards it on another mesh or dim; a tied parameter moves to the "
+                    "enclosing group only when both shard it alike: pass the same mesh and shard_placement_fn"
+                )
+            if group.state is not ShardedState.SHARDED or below[sp].ctx is not None:
+                raise ValueError(
+                    f"parameter {fqns[source]!r} is tied to {sp.fqn!r} of the fully_shard group of "
+                    f"{group.label!r}, which has already run; call fully_shard on every module before the first forward"
+                )
+            leaving.setdefault(group, []).append(sp)
+    return leaving
+
+
+def _check_params(params: list[torch.Tensor], fqns: dict[torch.Tensor, str], device: torch.device) -> None:
     for p in params:
         fqn = fqns[p]
         if isinstance(p, DTensor):
@@ -257,9 +328,9 @@ def check_param_device(fqn: str, param_device: torch.device, mesh_dev: torch.dev
 
 
 def _layout(
-    param: nn.Parameter, fqn: str, shard_placement_fn: _ShardPlacementFn | None, mesh_info: MeshInfo
+    param: torch.Tensor, fqn: str, shard_placement_fn: _ShardPlacementFn | None, mesh_info: MeshInfo
 ) -> ParamLayout:
-    placement = shard_placement_fn(param) if shard_placement_fn is not None else None
+    placement = shard_placement_fn(cast(nn.Parameter, param)) if shard_placement_fn is not None else None
     if placement is None:
         dim = 0
     elif isinstance(placement, Shard):

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -158,19 +158,6 @@ class PendingCollective:
             self.work.wait()
             self.work = None
         return self.output
-
-
-@dataclass
-class Buffers:
-    """References that must outlive the streams using them, released together (see the Note)."""
-
-    held: list[Any] = field(default_factory=list)
-
-    def keep(self, *items: Any) -> None:
-        self.held.extend(items)
-
-    def release(self) -> None:
-        self.held.clear()
 
 
 def _all_gather_single(*args: Any, **kwargs: Any) -> dist.Work | None:

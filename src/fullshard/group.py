@@ -63,7 +63,7 @@ class ParamGroup:
     def __init__(
         self,
         params: list[ShardedParam],
-        originals: list[nn.Parameter],
+        originals: list[torch.Tensor],
         mesh_info: MeshInfo,
         device: torch.device,
         compute_dtype: torch.dtype | None,
@@ -195,7 +195,7 @@ class ParamGroup:
         self.streams.shards_written()
         locals_ = [p.sharded.to_local() for p in self.params]
         chunks = self.split(self.flat_shard, self.layout)
-        if all(
+        if self.flat_shard.numel() == self.layout.shard_numel and all(
             loc.dtype == self.flat_shard.dtype and loc.device == self.flat_shard.device
             and loc.untyped_storage().data_ptr() == self.flat_shard.untyped_storage().data_ptr()
             and loc.storage_offset() == p.local_rows(chunk).storage_offset()
@@ -219,6 +219,21 @@ class ParamGroup:
         for p in self.params:
             p.orig_dtype = dtype
             p.register(p.sharded)
+
+    def remove(self, leaving: list[ShardedParam]) -> None:
+        """Stop managing ``leaving`` (taken over by an enclosing group); the rest move to a new flat shard buffer.
+
+        Only at ``fully_shard`` time, while SHARDED. Parameter objects of the rest keep their identity.
+        """
+        if self.state is not ShardedState.SHARDED:
+            raise AssertionError(f"group {self.label!r}: removing parameters in state {self.state.name}")
+        self.params = [p for p in self.params if p not in leaving]
+        self.layout = GroupLayout(tuple(p.layout for p in self.params))
+        self.reducer = GradReducer(self)
+        if self.params:
+            self.relink()
+        if self.post_forward is not None:
+            self.set_post_forward_group(self.post_forward.group)
 
     @staticmethod
     def split(flat: torch.Tensor, layout: GroupLayout, unsharded: bool = False) -> list[torch.Tensor]:

@@ -77,6 +77,12 @@ def _claim_original(original: torch.Tensor, claimant: ShardedParam) -> ShardedPa
     return earlier
 
 
+def claimant_of(original: torch.Tensor) -> ShardedParam | None:
+    """The live sharded parameter that shards ``original``, if any."""
+    entry = _claims.get(id(original))
+    return entry[1]() if entry is not None and entry[0]() is original else None
+
+
 class ShardedParam:
     """Holds the sharded and unsharded parameter of one original parameter.
 
@@ -88,7 +94,7 @@ class ShardedParam:
     """
 
     def __init__(
-        self, fqn: str, sites: list[ParamSite], original: nn.Parameter, layout: ParamLayout, mesh_info: MeshInfo
+        self, fqn: str, sites: list[ParamSite], original: torch.Tensor, layout: ParamLayout, mesh_info: MeshInfo
     ) -> None:
         self.fqn = fqn
         self.sites = sites
@@ -102,7 +108,7 @@ class ShardedParam:
         self.accumulated_grad: torch.Tensor | None = None
         self._specs: dict[torch.dtype, DTensorSpec] = {}  # see as_dtensor_of
         self.sharded: DTensor = cast(DTensor, original)  # replaced by bind_shard
-        self.unsharded: nn.Parameter = original  # replaced by bind_unsharded
+        self.unsharded: nn.Parameter = cast(nn.Parameter, original)  # replaced by bind_unsharded
 
     @property
     def requires_grad(self) -> bool:
@@ -115,11 +121,16 @@ class ShardedParam:
         return padded_chunk.view(lay.chunk_shape).narrow(lay.shard_dim, 0, lay.rows_on(self.mesh_info.shard_rank))
 
     def fill_shard(self, original: torch.Tensor, padded_chunk: torch.Tensor) -> None:
-        """Copy this rank's rows of ``original`` into its chunk, zeroing the padding."""
+        """Copy this rank's rows of ``original`` into its chunk, zeroing the padding.
+
+        ``original`` may be the sharded parameter of another group sharded the same way (a tied
+        parameter taken over by an enclosing group): its local rows are this rank's rows.
+        """
         rows = self.layout.rows_on(self.mesh_info.shard_rank)
         padded_chunk.zero_()
         if rows:
-            self.local_rows(padded_chunk).copy_(self.local_part(original))
+            local = original.to_local() if isinstance(original, DTensor) else self.local_part(original)
+            self.local_rows(padded_chunk).copy_(local)
 
     def as_dtensor(self, padded_chunk: torch.Tensor) -> DTensor:
         """A DTensor whose local tensor views this rank's rows of ``padded_chunk``."""

@@ -13,6 +13,8 @@ registered again, so optimizers keep pointing at the live parameters.
 from __future__ import annotations
 
 import copy
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,20 +29,25 @@ from fullshard.runtime import states_in
 
 
 def register_state_dict_hooks(group: ParamGroup) -> None:
-    """Register the hooks of [Note: State dict hooks] on every module holding a parameter of ``group``."""
-    by_module: dict[nn.Module, list[tuple[str, ShardedParam]]] = {}
-    for p in group.params:
-        for site in p.sites:
-            by_module.setdefault(site.module, []).append((site.name, p))
-    for module, entries in by_module.items():
+    """Register the hooks of [Note: State dict hooks] on every module holding a parameter of ``group``.
+
+    The hooks look up the group's parameters when they run: a tied parameter taken over by an
+    enclosing group later is then handled by that group's hooks.
+    """
+    for module in {site.module: None for p in group.params for site in p.sites}:
+        entries = functools.partial(_entries, group, module)
         module.register_state_dict_post_hook(_sharded_values(entries))
         module.register_load_state_dict_pre_hook(_to_local_shards(group, entries))
         module.register_load_state_dict_post_hook(_readopt(entries))
 
 
-def _sharded_values(entries: list[tuple[str, ShardedParam]]):  # type: ignore[no-untyped-def]
+def _entries(group: ParamGroup, module: nn.Module) -> list[tuple[str, ShardedParam]]:
+    return [(site.name, p) for p in group.params for site in p.sites if site.module is module]
+
+
+def _sharded_values(entries: Callable[[], list[tuple[str, ShardedParam]]]):  # type: ignore[no-untyped-def]
     def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-        for name, p in entries:
+        for name, p in entries():
             key = prefix + name
             if key in state_dict and not isinstance(state_dict[key], DTensor):
                 state_dict[key] = p.sharded.detach()
@@ -48,11 +55,11 @@ def _sharded_values(entries: list[tuple[str, ShardedParam]]):  # type: ignore[no
     return hook
 
 
-def _to_local_shards(group: ParamGroup, entries: list[tuple[str, ShardedParam]]):  # type: ignore[no-untyped-def]
+def _to_local_shards(group: ParamGroup, entries: Callable[[], list[tuple[str, ShardedParam]]]):  # type: ignore[no-untyped-def]
     def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         group.reshard()
         group.streams.shards_written()  # the load writes into the flat shard buffer on the compute stream
-        for name, p in entries:
+        for name, p in entries():
             key = prefix + name
             value = state_dict.get(key)
             if not isinstance(value, torch.Tensor):
@@ -68,9 +75,9 @@ def _to_local_shards(group: ParamGroup, entries: list[tuple[str, ShardedParam]])
     return hook
 
 
-def _readopt(entries: list[tuple[str, ShardedParam]]):  # type: ignore[no-untyped-def]
+def _readopt(entries: Callable[[], list[tuple[str, ShardedParam]]]):  # type: ignore[no-untyped-def]
     def hook(module: nn.Module, incompatible_keys: Any) -> None:
-        for name, p in entries:
+        for name, p in entries():
             registered = module._parameters.get(name)
             if registered is None or registered is p.sharded or registered is p.unsharded:
                 continue
