@@ -20,6 +20,7 @@ from tests.comm import CommRecorder
 from tests.harness import run_ranks
 from tests.models import MLP, mse_loss
 from tests.parity import assert_parity, random_batches, regression_batch, run_parity, train
+from tests.test_training_patterns import Reused, shard_reused
 
 # ---- outputs in dataclasses, namedtuples and nested containers --------------------------------------
 
@@ -130,23 +131,10 @@ def test_list_group_collectives_once_per_pass() -> None:
     run_ranks(2, _list_group)
 
 
-class Reused(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(7, 5)
-        self.block = nn.Linear(5, 5)
-        self.out = nn.Linear(5, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.block(torch.tanh(self.inp(x))))
-        return self.out(torch.tanh(self.block(h)))
-
-
 def _called_twice_reduces_once(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     model = Reused()
-    fully_shard(model.block)
-    fully_shard(model)
+    shard_reused(model)
     rec = CommRecorder(model)
     mse_loss(model, random_batches(1, world_size, regression_batch)[0][rank]).backward()
     # Backward keeps the block unsharded from its second call's backward to its first's (one all-gather),
