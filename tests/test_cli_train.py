@@ -63,6 +63,22 @@ def test_summary_lines(tmp_path: Path, corpus: Path) -> None:
     assert f"checkpoint: {tmp_path / 'checkpoints' / 'step_000002'}" in text
 
 
+def test_ema_evaluated_saved_and_resumed(tmp_path: Path, corpus: Path) -> None:
+    common = ["train", "--data", str(corpus), "--out", str(tmp_path), "--steps", "6", "--checkpoint-every", "3",
+              "--ema", "0.5", *TINY]
+    first = fullshard(*common, "--stop-at", "3")
+    assert first.returncode == 0, first.stderr
+    second = fullshard(*common, "--resume")
+    assert second.returncode == 0, second.stderr
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [3, 6] and all("eval_loss_ema" in r for r in evals)
+    assert evals[0]["eval_loss_ema"] != evals[0]["eval_loss"]  # the average lags the trained weights
+    assert f"EMA weights {evals[-1]['eval_loss_ema']:.4f}" in second.stdout
+    bad = fullshard("train", "--data", str(corpus), "--out", str(tmp_path / "bad"), "--ema", "1.5", *TINY)
+    assert bad.returncode == 2 and "fullshard train: error: --ema must be a decay in [0, 1)" in bad.stderr
+
+
 @pytest.mark.parametrize("resume_ranks", [1, 4])
 def test_resume_at_another_world_size_continues_identically(
     tmp_path: Path, corpus: Path, uninterrupted: Path, resume_ranks: int

@@ -10,6 +10,7 @@ from torch.distributed.fsdp import DataParallelMeshDims
 
 from fullshard import checkpoint
 from fullshard.api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method, share_comm_ctx
+from fullshard.ema import EMA
 from fullshard.errors import AlreadyShardedError, UsageError
 from fullshard.fsdp1 import (
     ReduceState,
@@ -46,6 +47,7 @@ __all__ = [
     "CPUOffload",
     "CPUOffloadPolicy",
     "CustomPolicy",
+    "EMA",
     "DataParallelMeshDims",
     "FSDPModule",
     "MixedPrecision",

@@ -37,6 +37,7 @@ from fullshard.api import original_class
 from fullshard.cli import hf, launch
 from fullshard.cli.data import Corpus, default_corpus
 from fullshard.cli.launch import UserError
+from fullshard.ema import EMA
 from fullshard.fsdp1 import clip_grad_norm_, no_sync
 from fullshard.gpt import GPT, Block, GPTConfig
 from fullshard.runtime import state_of
@@ -76,6 +77,7 @@ class TrainConfig:
     resume: bool = False
     stop_at: int = 0
     hf_model: str = ""
+    ema: float = 0.0
     progress: bool = True
 
     def model_config(self) -> GPTConfig:
@@ -93,6 +95,8 @@ class TrainConfig:
             raise UserError(f"--sharding must be one of {sorted(STRATEGIES)}, got {self.sharding!r}")
         if self.reshard_after_forward not in ("auto", "true", "false"):
             raise UserError(f"--reshard-after-forward must be auto, true or false, got {self.reshard_after_forward!r}")
+        if not 0.0 <= self.ema < 1.0:
+            raise UserError(f"--ema must be a decay in [0, 1) (0: off), got {self.ema}")
         for name in ("nproc", "batch_size", "grad_accum", "steps", "eval_every", "eval_batches", "checkpoint_every", "replicate"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
@@ -149,6 +153,8 @@ HELP = {
     "stop_at": "stop after this step with a checkpoint (0: run all --steps), e.g. to fit a time slot; --resume continues",
     "hf_model": "train a transformers causal LM instead: a model type (llama, gpt2, ...) sized by the flags above, "
     "or a config.json (needs the [hf] extra; random init, no hub access)",
+    "ema": "also keep an exponential moving average of the weights with this decay (e.g. 0.99), evaluated "
+    "on held-out text at each evaluation and saved in checkpoints (0: off)",
     "progress": "show the progress bar on rank 0",
 }
 
@@ -246,12 +252,15 @@ def build(cfg: TrainConfig, world_size: int, device: torch.device) -> tuple[torc
     return model, opt
 
 
-def app_state(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> dict[str, Any]:
-    return {
+def app_state(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, ema: EMA | None) -> dict[str, Any]:
+    state = {
         "model": get_model_state_dict(model),
         "optim": get_optimizer_state_dict(model, opt),
         "train": {"step": torch.tensor(step)},
     }
+    if ema is not None:
+        state["ema"] = ema.state_dict()
+    return state
 
 
 def latest_checkpoint(out: Path) -> Path | None:
@@ -292,18 +301,23 @@ def worker(rank: int, world_size: int, cfg: TrainConfig) -> None:
     rows = cfg.rows_per_rank(world_size)
     corpus = Corpus.load(Path(cfg.data) if cfg.data else default_corpus(), cfg.seq_len)
     model, opt = build(cfg, world_size, device)
+    ema = EMA(model, cfg.ema) if cfg.ema else None
     out = Path(cfg.out)
     start = 0
     if cfg.resume:
         found = latest_checkpoint(out)
         if found is not None:
-            state = app_state(model, opt, 0)
+            state = app_state(model, opt, 0, ema)
             try:
                 checkpoint.load(state, found)
             except ValueError as err:
-                raise UserError(f"cannot resume: {err} (was it written by a model of another shape?)") from None
+                raise UserError(
+                    f"cannot resume: {err} (was it written by a model of another shape, or with another --ema setting?)"
+                ) from None
             set_model_state_dict(model, state["model"])
             set_optimizer_state_dict(model, opt, state["optim"])
+            if ema is not None:
+                ema.load_state_dict(state["ema"])
             start = int(state["train"]["step"])
         elif rank == 0:
             print(f"fullshard train: no checkpoint in {out / 'checkpoints'}; starting at step 0", file=sys.stderr)
@@ -345,6 +359,8 @@ def worker(rank: int, world_size: int, cfg: TrainConfig) -> None:
         if cfg.clip > 0:
             clip_grad_norm_(model, cfg.clip)
         opt.step()
+        if ema is not None:
+            ema.update()
         if not memory:  # gradients and optimizer state both exist now
             memory = state_bytes(model, opt)
         opt.zero_grad()
@@ -356,12 +372,15 @@ def worker(rank: int, world_size: int, cfg: TrainConfig) -> None:
                                   "tokens_per_s": tokens_per_step / elapsed}
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
             record["eval_loss"] = evaluate()
+            if ema is not None:
+                with ema.swap():
+                    record["eval_loss_ema"] = evaluate()
         metrics.append(record)
         if progress is not None:
             progress.update(1)
             progress.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == end:
-            saved_at = checkpoint.save(app_state(model, opt, step + 1), out / "checkpoints" / f"step_{step + 1:06d}")
+            saved_at = checkpoint.save(app_state(model, opt, step + 1, ema), out / "checkpoints" / f"step_{step + 1:06d}")
     if progress is not None:
         progress.close()
     if not memory:  # nothing left to train after resuming: measure the state as it is
@@ -400,9 +419,12 @@ def _summary(
     layer_names = sorted(set(groups[1:]))
     lines.append(f"  sharded as {len(groups)} groups: {len(groups) - 1} x {', '.join(layer_names) or '-'} and the root")
     if metrics:
-        evals = [m["eval_loss"] for m in metrics if "eval_loss" in m]
+        evals = [m for m in metrics if "eval_loss" in m]
+        held_out = f" (held-out {evals[-1]['eval_loss']:.4f}" if evals else ""
+        if evals and "eval_loss_ema" in evals[-1]:
+            held_out += f", EMA weights {evals[-1]['eval_loss_ema']:.4f}"
         lines.append(f"  loss: {metrics[0]['loss']:.4f} at step {metrics[0]['step']} -> {metrics[-1]['loss']:.4f} at step "
-                     f"{metrics[-1]['step']}" + (f" (held-out {evals[-1]:.4f})" if evals else ""))
+                     f"{metrics[-1]['step']}" + (held_out + ")" if evals else ""))
     if timed:
         lines.append(f"  throughput: {tokens_per_step * len(timed) / sum(timed):,.0f} tokens/s")
     lines.append(f"  per-rank parameters + gradients + optimizer state: [{ranks}] MiB; unsharded total {unsharded / mib:.2f} MiB")
@@ -423,6 +445,8 @@ def _plot(out: Path, per_rank: list[dict[str, int]], unsharded: int) -> Path:
     ax_loss.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train")
     evals = [r for r in rows if "eval_loss" in r]
     ax_loss.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="held-out")
+    if any("eval_loss_ema" in r for r in evals):
+        ax_loss.plot([r["step"] for r in evals], [r["eval_loss_ema"] for r in evals], "s--", label="held-out, EMA weights")
     ax_loss.set(xlabel="step", ylabel="loss (nats/byte)", title="loss")
     ax_loss.legend()
     mib = 2**20

@@ -1,0 +1,75 @@
+"""fullshard.EMA: a shard-wise moving average equal to the unsharded model's, swap, state dicts and checkpoints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor, Shard
+
+from fullshard import EMA, checkpoint
+from tests.harness import run_ranks
+from tests.models import Transformer, lm_loss
+from tests.parity import full_params, random_batches, token_batch, train
+from tests.test_parity import shard_transformer
+
+DECAY = 0.8
+
+
+def _ema_parity(rank: int, world_size: int, ckpt_dir: str) -> None:
+    torch.manual_seed(0)
+    ref = Transformer()
+    torch.manual_seed(0)
+    model = Transformer()
+    shard_transformer(model)
+    ref_ema, ema = EMA(ref, DECAY), EMA(model, DECAY)
+    batches = random_batches(4, world_size, token_batch)
+    ref_optim = model_optim = None
+    for step_batches in batches:  # one step at a time: the averages move after every optimizer step
+        ref_optim = train(ref, [step_batches], lm_loss, rank=None, optim=ref_optim).optim
+        model_optim = train(model, [step_batches], lm_loss, rank=rank, optim=model_optim).optim
+        ref_ema.update()
+        ema.update()
+    expected = ref_ema.full_state_dict(rank0_only=False)
+    got = ema.full_state_dict(rank0_only=False)
+    assert got.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], msg=name)
+    # The averages are sharded like the parameters and use no more memory per rank.
+    average = ema.state_dict()["blocks.0.mlp.0.weight"]
+    assert isinstance(average, DTensor) and average.placements == (Shard(0),)
+    assert average.to_local().shape == model.blocks[0].mlp[0].weight.to_local().shape
+
+    trained = full_params(model)
+    tokens = token_batch(torch.Generator().manual_seed(9))
+    with ema.swap():
+        torch.testing.assert_close(full_params(model), expected)
+        with ref_ema.swap():
+            torch.testing.assert_close(lm_loss(model, tokens), lm_loss(ref, tokens))  # evaluates the averages
+    torch.testing.assert_close(full_params(model), trained, rtol=0, atol=0)  # trained values back, exactly
+
+    # Checkpoint with the model, load into a fresh EMA; full tensors load too.
+    checkpoint.save({"ema": ema.state_dict()}, Path(ckpt_dir) / "step")
+    fresh = EMA(model, DECAY)
+    state = {"ema": fresh.state_dict()}
+    checkpoint.load(state, Path(ckpt_dir) / "step")
+    fresh.load_state_dict(state["ema"])
+    torch.testing.assert_close(fresh.full_state_dict(rank0_only=False), expected)
+    other = EMA(model, DECAY)
+    other.load_state_dict(expected)
+    torch.testing.assert_close(other.full_state_dict(rank0_only=False), expected)
+    with pytest.raises(ValueError, match=r"does not match the model: missing \['blocks.0.ln1.bias'"):
+        other.load_state_dict({k: v for k, v in expected.items() if k != "blocks.0.ln1.bias"})
+    assert ema.full_state_dict() == {} if rank else ema.full_state_dict().keys() == expected.keys()
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ema_matches_unsharded(world_size: int, tmp_path: Path) -> None:
+    run_ranks(world_size, _ema_parity, str(tmp_path))
+
+
+def test_ema_rejects_bad_decay() -> None:
+    for bad in (1.5, -0.1, "0.9", True):
+        with pytest.raises(ValueError, match="EMA decay must be a number in \\[0, 1\\]"):
+            EMA(Transformer(), bad)  # type: ignore[arg-type]
