@@ -8,7 +8,7 @@ import logging
 
 from torch.distributed.fsdp import DataParallelMeshDims
 
-from fullshard import checkpoint
+from fullshard import checkpoint, optim
 from fullshard.api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method, share_comm_ctx
 from fullshard.ema import EMA
 from fullshard.errors import AlreadyShardedError, UsageError
@@ -68,6 +68,7 @@ __all__ = [
     "fully_shard",
     "load_full_optim_state_dict",
     "no_sync",
+    "optim",
     "reduce_scatter_hook",
     "register_comm_hook",
     "register_fsdp_forward_method",

@@ -96,41 +96,47 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
 
     Returns the total norm before clipping, as a 0-dim fp32 tensor, identical on
     every rank and equal to the unsharded model's. Parameters without a gradient
-    (frozen ones) are skipped; replicated gradients are counted once.
+    (frozen ones) are skipped; replicated gradients are counted once. Norms are
+    taken with foreach kernels over the local shards, one all-reduce per group of
+    ranks the gradients are sharded over, and the scaling is one foreach multiply
+    per device.
     """
     norm_type = float(norm_type)
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
     infinite = math.isinf(norm_type)
-    parts: dict[dist.ProcessGroup | None, torch.Tensor] = {}
-    device = torch.device("cpu")
-    for grad in grads:
-        local, group = (grad.to_local(), _shard_group(grad)) if isinstance(grad, DTensor) else (grad, None)
-        device = local.device
-        value = local.detach().float().abs()
-        if not infinite:
-            part = value.pow(norm_type).sum()
+    buckets: dict[dist.ProcessGroup | None, list[torch.Tensor]] = {}
+    for p in model.parameters():
+        grad = p.grad
+        if grad is None:
+            continue
+        if isinstance(grad, DTensor):
+            buckets.setdefault(_shard_group(grad), []).append(grad._local_tensor)
         else:
-            part = value.max() if value.numel() else value.new_zeros(())
-        if group in parts:
-            parts[group] = torch.maximum(parts[group], part) if infinite else parts[group] + part
-        else:
-            parts[group] = part
+            buckets.setdefault(None, []).append(grad)
+    locals_ = [g for bucket in buckets.values() for g in bucket]
+    device = locals_[0].device if locals_ else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float32, device=device)
-    for group, part in parts.items():
-        if group is not None:
+    for group, bucket in buckets.items():
+        nonempty = [g for g in bucket if g.numel()]  # a rank past the end of a parameter holds no rows
+        part = torch.zeros((), dtype=torch.float32, device=device)
+        if nonempty:
+            norms = torch.stack([n.to(device) for n in torch._foreach_norm(nonempty, norm_type, dtype=torch.float32)])
+            part = norms.max() if infinite else norms.pow(norm_type).sum()
+        if group is not None:  # every rank reduces every bucket, empty or not
             # NCCL reduces device tensors only (offloaded gradients live on CPU).
             comm = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else part.device
             part = part.to(comm)
             dist.all_reduce(part, op=dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM, group=group)
-        part = part.to(device)
+            part = part.to(device)
         total = torch.maximum(total, part) if infinite else total + part
     if not infinite:
         total = total.pow(1.0 / norm_type)
     coef = max_norm / (total + 1e-6)
     if coef < 1.0:
-        for grad in grads:
-            local = grad.to_local() if isinstance(grad, DTensor) else grad
-            local.mul_(coef.to(device=local.device, dtype=local.dtype))
+        by_device: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for g in locals_:
+            by_device.setdefault((g.device, g.dtype), []).append(g)
+        for (dev, dtype), grads in by_device.items():
+            torch._foreach_mul_(grads, coef.to(device=dev, dtype=dtype))
     return total
 
 

@@ -1,0 +1,104 @@
+"""Optimizer step + gradient clipping, CPU time: fullshard.optim.AdamW against torch.optim.AdamW on FSDP2's DTensors.
+
+Both models are sharded the same way (one group per block); fullshard's steps
+``fullshard.optim.AdamW`` with ``fullshard.clip_grad_norm_``, torch FSDP2's steps
+``torch.optim.AdamW`` with ``torch.nn.utils.clip_grad_norm_(foreach=True)`` on its
+DTensor parameters; both with foreach kernels, then both with ``fused=True``. Gradients are filled with random values once; each
+timed iteration clips and steps. The two alternate in rounds, in one process,
+under torch's fake process group (``--ranks`` ranks; collectives return at once,
+so this is the CPU work of one rank).
+
+    python benchmarks/optimizer_step.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+import fullshard
+from fullshard.gpt import GPT, GPTConfig
+
+
+def bench_gpt() -> nn.Module:
+    return GPT(GPTConfig(dim=256, n_heads=4, hidden=1024, n_layers=12, seq_len=128))
+
+
+class Linears(nn.Module):
+    """100 linear layers: 200 parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(64, 64) for _ in range(100))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def prepare(build: Callable[[], nn.Module], fully_shard: Callable[..., Any], optim_cls: type, mesh: Any,
+            **optim_kwargs: Any) -> Any:
+    torch.manual_seed(0)
+    model = build()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    gen = torch.Generator().manual_seed(1)
+    for p in model.parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        grad = torch.randn(local.shape, generator=gen) * 1e-2
+        p.grad = DTensor.from_local(grad, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
+    return model, optim_cls(model.parameters(), lr=1e-4, weight_decay=0.1, **optim_kwargs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=5, help="iterations per implementation per round")
+    args = parser.parse_args()
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.ranks)
+    mesh = init_device_mesh("cpu", (args.ranks,))
+    print(f"fake process group, {args.ranks} ranks, rank 0's shards; median of {args.rounds} rounds x {args.steps} steps")
+    print("| model | parameters | kernels | fullshard step+clip ms | FSDP2 step+clip ms | ratio |")
+    print("|---|---|---|---|---|---|")
+    for label, build in (("bench GPT (12 blocks, 9.58M)", bench_gpt), ("100 linear layers", Linears)):
+        for kernels, ours_kwargs, theirs_kwargs in (("foreach", {}, {"foreach": True}),
+                                                    ("fused", {"fused": True}, {"fused": True})):
+            runs = {
+                "fullshard": (*prepare(build, fullshard.fully_shard, fullshard.optim.AdamW, mesh, **ours_kwargs),
+                              fullshard.clip_grad_norm_),
+                "torch-fsdp2": (*prepare(build, torch_fully_shard, torch.optim.AdamW, mesh, **theirs_kwargs),
+                                lambda m, n: torch.nn.utils.clip_grad_norm_(m.parameters(), n, foreach=True)),
+            }
+            times: dict[str, list[float]] = {name: [] for name in runs}
+            for r in range(args.rounds + 1):
+                for name, (model, opt, clip) in (list(runs.items())[::-1] if r % 2 else runs.items()):
+                    start = time.perf_counter()
+                    for _ in range(args.steps):
+                        clip(model, 1.0)
+                        opt.step()
+                    if r:  # round 0 warms up (state creation)
+                        times[name].append((time.perf_counter() - start) / args.steps)
+            ours, theirs = (statistics.median(times[n]) for n in ("fullshard", "torch-fsdp2"))
+            n_params = len(list(runs["fullshard"][0].parameters()))
+            print(f"| {label} | {n_params} | {kernels} | {ours * 1e3:.2f} | {theirs * 1e3:.2f} | {ours / theirs:.2f} |",
+                  flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

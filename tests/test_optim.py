@@ -1,0 +1,96 @@
+"""fullshard.optim: the same steps and state as torch's optimizers on the DTensors, interchangeable state dicts."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.tensor import DTensor
+
+import fullshard
+from fullshard import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from tests.harness import run_ranks
+from tests.models import Transformer, lm_loss
+from tests.parity import full, random_batches, token_batch, train
+
+CONFIGS: dict[str, tuple[type, type, dict[str, Any]]] = {
+    "adamw": (torch.optim.AdamW, fullshard.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
+    "adamw_fused": (torch.optim.AdamW, fullshard.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1, "fused": True}),
+    "adam_amsgrad": (torch.optim.Adam, fullshard.optim.Adam, {"lr": 1e-2, "weight_decay": 0.01, "amsgrad": True}),
+    "sgd_nesterov": (torch.optim.SGD, fullshard.optim.SGD, {"lr": 0.05, "momentum": 0.9, "nesterov": True,
+                                                            "weight_decay": 0.01}),
+    "sgd_plain": (torch.optim.SGD, fullshard.optim.SGD, {"lr": 0.05}),
+}
+
+
+def shard(policy: str, model: torch.nn.Module) -> None:
+    kwargs: dict[str, Any] = {}
+    if policy == "bf16":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    elif policy == "offload":
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    for block in model.blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+
+
+def state_tensors(osd: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return {f"{fqn}/{key}": full(value) for fqn, s in osd["state"].items() for key, value in s.items()}
+
+
+def _same_as_torch(rank: int, world_size: int, config: str, policy: str) -> None:
+    torch_cls, ours_cls, kwargs = CONFIGS[config]
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = Transformer()
+        shard(policy, model)
+        models.append(model)
+    batches = random_batches(4, world_size, token_batch)
+    theirs = train(models[0], batches, lm_loss, rank=rank, make_optim=functools.partial(torch_cls, **kwargs))
+    ours = train(models[1], batches, lm_loss, rank=rank, make_optim=functools.partial(ours_cls, **kwargs))
+    assert isinstance(ours.optim, torch_cls)
+    for name in theirs.params:
+        torch.testing.assert_close(ours.params[name], theirs.params[name], rtol=1e-6, atol=1e-6, msg=name)
+    # Same state, same layout, sharded the same way.
+    their_sd = get_optimizer_state_dict(models[0], theirs.optim)
+    our_sd = get_optimizer_state_dict(models[1], ours.optim)
+    assert their_sd["param_groups"] == our_sd["param_groups"]
+    their_state, our_state = state_tensors(their_sd), state_tensors(our_sd)
+    assert their_state.keys() == our_state.keys()
+    for key in their_state:
+        torch.testing.assert_close(our_state[key], their_state[key], rtol=1e-6, atol=1e-6, msg=key)
+    for value in (v for s in our_sd["state"].values() for v in s.values() if v.dim()):
+        assert isinstance(value, DTensor) and value.placements == models[1].tok.weight.placements
+    # Interchangeable: torch's state continues in ours and the reverse, step for step.
+    set_optimizer_state_dict(models[1], ours.optim, their_sd)
+    set_optimizer_state_dict(models[0], theirs.optim, our_sd)
+    more = random_batches(2, world_size, token_batch, seed=99)
+    a = train(models[0], more, lm_loss, rank=rank, optim=theirs.optim)
+    b = train(models[1], more, lm_loss, rank=rank, optim=ours.optim)
+    for name in a.params:
+        torch.testing.assert_close(b.params[name], a.params[name], rtol=1e-6, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_same_steps_and_state_as_torch(config: str) -> None:
+    run_ranks(2, _same_as_torch, config, "plain")
+
+
+@pytest.mark.parametrize("policy", ["bf16", "offload"])
+def test_adamw_with_mixed_precision_and_offload(policy: str) -> None:
+    run_ranks(4, _same_as_torch, "adamw", policy)
+
+
+@pytest.mark.parametrize("foreach", [None, False])
+def test_unsharded_parameters(foreach: bool | None) -> None:
+    batches = random_batches(3, 1, token_batch)
+    trained = []
+    for cls in (fullshard.optim.AdamW, torch.optim.AdamW):
+        torch.manual_seed(0)
+        trained.append(train(Transformer(), batches, lm_loss, rank=0,
+                             make_optim=lambda p, cls=cls: cls(p, lr=1e-2, foreach=foreach)).params)
+    torch.testing.assert_close(trained[0], trained[1], rtol=1e-6, atol=1e-6)
