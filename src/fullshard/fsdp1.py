@@ -104,12 +104,16 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     norm_type = float(norm_type)
     infinite = math.isinf(norm_type)
     buckets: dict[dist.ProcessGroup | None, list[torch.Tensor]] = {}
+    groups: dict[tuple[int, Any], dist.ProcessGroup | None] = {}  # (mesh, placements) -> shard group
     for p in model.parameters():
         grad = p.grad
         if grad is None:
             continue
         if isinstance(grad, DTensor):
-            buckets.setdefault(_shard_group(grad), []).append(grad._local_tensor)
+            key = (id(grad.device_mesh), grad.placements)
+            if key not in groups:
+                groups[key] = _shard_group(grad)
+            buckets.setdefault(groups[key], []).append(grad._local_tensor)
         else:
             buckets.setdefault(None, []).append(grad)
     locals_ = [g for bucket in buckets.values() for g in bucket]
