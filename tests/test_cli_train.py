@@ -79,6 +79,21 @@ def test_ema_evaluated_saved_and_resumed(tmp_path: Path, corpus: Path) -> None:
     assert bad.returncode == 2 and "fullshard train: error: --ema must be a decay in [0, 1)" in bad.stderr
 
 
+def test_nonfinite_gradients_named_or_skipped(tmp_path: Path, corpus: Path) -> None:
+    # A learning rate this large overflows the weights after the first step: every later gradient is NaN.
+    common = ["train", "--data", str(corpus), *TINY, "--steps", "4", "--lr", "1e30", "--warmup", "0", "--clip", "0"]
+    stopped = fullshard(*common, "--out", str(tmp_path / "stop"))
+    assert stopped.returncode == 2, stopped.stderr
+    line = stopped.stderr.strip().splitlines()[-1]
+    assert line.startswith("fullshard train: error: non-finite gradient at step 2 in ") and "--skip-nonfinite" in line
+    assert "tok.weight" in line
+    skipping = fullshard(*common, "--out", str(tmp_path / "skip"), "--skip-nonfinite")
+    assert skipping.returncode == 0, skipping.stderr
+    records = [json.loads(x) for x in (tmp_path / "skip" / "metrics.jsonl").read_text().splitlines()]
+    assert [r.get("skipped", False) for r in records] == [False, True, True, True]
+    assert "skipped 3 steps with non-finite gradients: 2, 3, 4" in skipping.stdout
+
+
 @pytest.mark.parametrize("resume_ranks", [1, 4])
 def test_resume_at_another_world_size_continues_identically(
     tmp_path: Path, corpus: Path, uninterrupted: Path, resume_ranks: int

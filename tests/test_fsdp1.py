@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import DataParallelMeshDims
 from torch.distributed.tensor import DTensor
 
+import fullshard
 from fullshard import (
     FSDPModule,
     ReduceState,
@@ -162,6 +163,24 @@ def _clip(rank: int, world_size: int, norm_type: float, max_norm: float) -> None
 )
 def test_clip_grad_norm(norm_type: float, max_norm: float, world_size: int) -> None:
     run_ranks(world_size, _clip, norm_type, max_norm)
+
+
+def _nonfinite(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = Transformer()
+    shard_transformer(model)
+    lm_loss(model, random_batches(1, world_size, token_batch)[0][rank]).backward()
+    assert fullshard.nonfinite_gradients(model) == []
+    # Only the last rank's rows of one parameter go bad: every rank names it, and the norm is non-finite everywhere.
+    if rank == world_size - 1:
+        model.blocks[1].mlp[0].weight.grad.to_local()[0, 0] = float("nan")
+    model.head.weight.grad.to_local().fill_(float("inf") if rank == 0 else 0.0)
+    assert fullshard.nonfinite_gradients(model) == ["tok.weight", "blocks.1.mlp.0.weight"]  # head.weight is tok.weight
+    assert not torch.isfinite(fullshard.clip_grad_norm_(model, 1.0))
+
+
+def test_nonfinite_gradients_named_on_every_rank() -> None:
+    run_ranks(2, _nonfinite)
 
 
 # ---- reduction hooks -----------------------------------------------------------------------------------

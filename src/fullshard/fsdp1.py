@@ -144,6 +144,24 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     return total
 
 
+def nonfinite_gradients(model: nn.Module) -> list[str]:
+    """Names of the parameters whose gradient holds a NaN or an infinity on any rank (the same list everywhere).
+
+    Collective: every rank must call it. Cheap to call only when needed, e.g. when the total norm returned
+    by :func:`clip_grad_norm_` is not finite (that norm is identical on every rank, so all ranks agree on it).
+    """
+    named = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None]
+    flags = torch.tensor(
+        [0.0 if bool(torch.isfinite(g._local_tensor if isinstance(g, DTensor) else g).all()) else 1.0 for _, g in named],
+        dtype=torch.float32,
+    )
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        comm = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        flags = flags.to(comm)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return [name for (name, _), bad in zip(named, flags.tolist(), strict=True) if bad]
+
+
 # ---- gradient reduction hooks ----------------------------------------------------------------------
 
 

@@ -229,7 +229,9 @@ class ParamGroup:
             raise AssertionError(f"group {self.label!r}: removing parameters in state {self.state.name}")
         self.params = [p for p in self.params if p not in leaving]
         self.layout = GroupLayout(tuple(p.layout for p in self.params))
-        self.reducer = GradReducer(self)
+        settings = self.reducer.settings
+        self.reducer = GradReducer(self)  # its cached gradient layouts were cut for the old parameter list
+        self.reducer.settings = settings
         if self.params:
             self.relink()
         if self.post_forward is not None:

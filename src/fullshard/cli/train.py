@@ -38,7 +38,7 @@ from fullshard.cli import hf, launch
 from fullshard.cli.data import Corpus, default_corpus
 from fullshard.cli.launch import UserError
 from fullshard.ema import EMA
-from fullshard.fsdp1 import clip_grad_norm_, no_sync
+from fullshard.fsdp1 import clip_grad_norm_, no_sync, nonfinite_gradients
 from fullshard.gpt import GPT, Block, GPTConfig
 from fullshard.runtime import state_of
 from fullshard.wrap import MixedPrecision, ModuleWrapPolicy, ShardingStrategy, shard_model
@@ -78,6 +78,7 @@ class TrainConfig:
     stop_at: int = 0
     hf_model: str = ""
     ema: float = 0.0
+    skip_nonfinite: bool = False
     progress: bool = True
 
     def model_config(self) -> GPTConfig:
@@ -155,6 +156,8 @@ HELP = {
     "or a config.json (needs the [hf] extra; random init, no hub access)",
     "ema": "also keep an exponential moving average of the weights with this decay (e.g. 0.99), evaluated "
     "on held-out text at each evaluation and saved in checkpoints (0: off)",
+    "skip_nonfinite": "skip an optimizer step whose gradients hold a NaN or inf (on every rank alike) instead of "
+    "stopping with an error that names the parameters",
     "progress": "show the progress bar on rank 0",
 }
 
@@ -344,6 +347,7 @@ def worker(rank: int, world_size: int, cfg: TrainConfig) -> None:
     tokens_per_step = cfg.batch_size * cfg.seq_len
     saved_at = None
     timed: list[float] = []
+    skipped: list[int] = []  # steps whose gradients were not finite (--skip-nonfinite)
     end = min(cfg.steps, cfg.stop_at) if cfg.stop_at else cfg.steps
     for step in range(start, end):
         begin = time.perf_counter()
@@ -356,12 +360,22 @@ def worker(rank: int, world_size: int, cfg: TrainConfig) -> None:
                 loss = causal_lm_loss(model, local_rows("train", step, micro)) / cfg.grad_accum
                 loss.backward()
             total += loss.detach()
-        if cfg.clip > 0:
-            clip_grad_norm_(model, cfg.clip)
-        opt.step()
-        if ema is not None:
-            ema.update()
-        if not memory:  # gradients and optimizer state both exist now
+        # The total norm is the same on every rank, so all ranks take the same branch.
+        norm = clip_grad_norm_(model, cfg.clip if cfg.clip > 0 else math.inf)
+        finite = math.isfinite(float(norm))
+        if not finite:
+            bad = nonfinite_gradients(model)
+            where = f"non-finite gradient at step {step + 1} in {', '.join(bad[:5])}" + (" ..." if len(bad) > 5 else "")
+            if not cfg.skip_nonfinite:
+                raise UserError(f"{where}; lower --lr, clip with --clip, or skip such steps with --skip-nonfinite")
+            skipped.append(step + 1)
+            if rank == 0:
+                print(f"fullshard train: {where}; step skipped", file=sys.stderr)
+        else:
+            opt.step()
+            if ema is not None:
+                ema.update()
+        if not memory and finite:  # gradients and optimizer state both exist now
             memory = state_bytes(model, opt)
         opt.zero_grad()
         loss_value = global_mean(total)
@@ -370,6 +384,8 @@ def worker(rank: int, world_size: int, cfg: TrainConfig) -> None:
             timed.append(elapsed)
         record: dict[str, Any] = {"step": step + 1, "loss": loss_value, "lr": lr_at(cfg, step),
                                   "tokens_per_s": tokens_per_step / elapsed}
+        if not finite:
+            record["skipped"] = True
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
             record["eval_loss"] = evaluate()
             if ema is not None:
@@ -425,6 +441,10 @@ def _summary(
             held_out += f", EMA weights {evals[-1]['eval_loss_ema']:.4f}"
         lines.append(f"  loss: {metrics[0]['loss']:.4f} at step {metrics[0]['step']} -> {metrics[-1]['loss']:.4f} at step "
                      f"{metrics[-1]['step']}" + (held_out + ")" if evals else ""))
+    skipped = [m["step"] for m in metrics if m.get("skipped")]
+    if skipped:
+        lines.append(f"  skipped {len(skipped)} steps with non-finite gradients: {', '.join(map(str, skipped[:10]))}"
+                     + (" ..." if len(skipped) > 10 else ""))
     if timed:
         lines.append(f"  throughput: {tokens_per_step * len(timed) / sum(timed):,.0f} tokens/s")
     lines.append(f"  per-rank parameters + gradients + optimizer state: [{ranks}] MiB; unsharded total {unsharded / mib:.2f} MiB")
