@@ -12,17 +12,13 @@ from fullshard import EMA, checkpoint
 from tests.harness import run_ranks
 from tests.models import Transformer, lm_loss
 from tests.parity import full_params, random_batches, token_batch, train
-from tests.test_parity import shard_transformer
+from tests.test_state_dict import build_pair
 
 DECAY = 0.8
 
 
 def _ema_parity(rank: int, world_size: int, ckpt_dir: str) -> None:
-    torch.manual_seed(0)
-    ref = Transformer()
-    torch.manual_seed(0)
-    model = Transformer()
-    shard_transformer(model)
+    ref, model = build_pair()
     ref_ema, ema = EMA(ref, DECAY), EMA(model, DECAY)
     batches = random_batches(4, world_size, token_batch)
     ref_optim = model_optim = None
