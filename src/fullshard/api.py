@@ -122,14 +122,15 @@ def fully_shard(
         ties.setdefault(first.sharded, first)
         fqns.setdefault(first.sharded, first.fqn)
         sites.setdefault(first.sharded, [])
-    for tied_source, first in ties.items():
-        for sp in [first, *_tied_with(first, below)]:
+    members = {source: [first, *_tied_with(first, below)] for source, first in ties.items()}
+    for tied_source, sharing in members.items():
+        for sp in sharing:
             sites[tied_source].extend(site for site in sp.sites if site not in sites[tied_source])
 
     params = list(sites)
     _check_params([p for p in params if p not in ties], fqns, device)
     layouts = {p: _layout(p, fqns[p], shard_placement_fn, mesh_info) for p in params}
-    leaving = _check_ties(ties, below, layouts, mesh_info, fqns)
+    leaving = _check_ties(members, below, layouts, mesh_info, fqns)
     streams = CommStreams(device)
     group = None
     for lower, taken in leaving.items():  # every check passed: only now change the groups below
@@ -261,13 +262,13 @@ def _ties_among(below: dict[ShardedParam, HookState]) -> dict[ShardedParam, None
 
 
 def _check_ties(
-    ties: dict[torch.Tensor, ShardedParam], below: dict[ShardedParam, HookState],
+    members: dict[torch.Tensor, list[ShardedParam]], below: dict[ShardedParam, HookState],
     layouts: dict[torch.Tensor, ParamLayout], mesh_info: MeshInfo, fqns: dict[torch.Tensor, str],
 ) -> dict[ParamGroup, list[ShardedParam]]:
     """Which sharded parameters leave which group below; raise before anything changes if one cannot."""
     leaving: dict[ParamGroup, list[ShardedParam]] = {}
-    for source, first in ties.items():
-        for sp in [first, *_tied_with(first, below)]:
+    for source, sharing in members.items():
+        for sp in sharing:
             group = below[sp].group
             assert group is not None
             if sp.mesh_info.mesh != mesh_info.mesh or sp.layout != layouts[source]:

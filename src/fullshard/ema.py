@@ -45,11 +45,11 @@ class EMA:
             self._average = {name: p.detach().clone() for name, p in self._params.items()}
 
     def _pairs(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        self._check_sharded("EMA")
+        self._check_idle("EMA")
         names = list(self._params)
         return [_local(self._average[n]) for n in names], [_local(self._params[n]).detach() for n in names]
 
-    def _check_sharded(self, what: str) -> None:
+    def _check_idle(self, what: str) -> None:
         busy = [s.label for s in states_in(self.model) if s.training_state is not TrainingState.IDLE]
         if busy:
             raise ValueError(f"{what} cannot run inside forward or backward (busy: {busy})")
