@@ -3,6 +3,7 @@ refuse other models, convert to and from one full file."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -170,3 +171,79 @@ def test_checkpoint_of_another_model_is_refused(tmp_path: Path) -> None:
         checkpoint.load({"model": MLP().state_dict()}, path)
     with pytest.raises(FileNotFoundError, match="no complete checkpoint at"):
         checkpoint.load({"model": MLP().state_dict()}, tmp_path / "absent")
+
+
+# ---- damaged files -----------------------------------------------------------------------------------
+
+
+def _saved(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
+    path = tmp_path / "ckpt"
+    torch.manual_seed(0)
+    state = {"model": Transformer().state_dict()}
+    checkpoint.save(state, path)
+    return path, state
+
+
+def _data_file(path: Path) -> Path:
+    return sorted(path.glob("*.distcp"))[0]
+
+
+def test_manifest_lists_every_file(tmp_path: Path) -> None:
+    path, state = _saved(tmp_path)
+    manifest = json.loads((path / checkpoint.MANIFEST).read_text())["files"]
+    assert sorted(manifest) == sorted(p.name for p in path.iterdir() if p.name != checkpoint.MANIFEST)
+    assert all(entry["size"] == (path / name).stat().st_size for name, entry in manifest.items())
+    assert checkpoint.verify(path) is True
+    loaded = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
+    checkpoint.load(loaded, path)
+    assert all(torch.equal(loaded["model"][k], v) for k, v in state["model"].items())
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete"])
+def test_damaged_file_is_named(tmp_path: Path, damage: str) -> None:
+    path, state = _saved(tmp_path)
+    victim = _data_file(path)
+    data = victim.read_bytes()
+    if damage == "truncate":
+        victim.write_bytes(data[: len(data) // 2])
+        expected = rf"{victim.name} has {len(data) // 2} bytes, the manifest says {len(data)} \(truncated"
+    elif damage == "flip":
+        middle = len(data) // 2
+        victim.write_bytes(data[:middle] + bytes([data[middle] ^ 0xFF]) + data[middle + 1 :])
+        expected = rf"{victim.name} has CRC-32 [0-9a-f]{{8}}, the manifest says [0-9a-f]{{8}} \(its bytes changed\)"
+    else:
+        victim.unlink()
+        expected = rf"{victim.name} is missing"
+    with pytest.raises(checkpoint.CheckpointDamagedError, match=rf"checkpoint {path} is damaged: {expected}"):
+        checkpoint.load({"model": dict(state["model"])}, path)
+    done = subprocess.run([sys.executable, "-m", "fullshard", "consolidate", str(path), str(tmp_path / "full.pt")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.startswith(f"fullshard consolidate: error: checkpoint {path} is damaged: {victim.name}")
+    assert not (tmp_path / "full.pt").exists()
+
+
+def _verify_on_ranks(rank: int, world_size: int, path: str) -> str:
+    try:
+        checkpoint.verify(path)
+    except checkpoint.CheckpointDamagedError as err:
+        return str(err)
+    return "intact"
+
+
+def test_ranks_share_verification_and_agree(tmp_path: Path) -> None:
+    path, _ = _saved(tmp_path)
+    (path / "extra_0.distcp").write_bytes(b"x" * 10)  # files the manifest does not list are not checked
+    assert run_ranks(2, _verify_on_ranks, str(path)) == ["intact", "intact"]
+    names = sorted(json.loads((path / checkpoint.MANIFEST).read_text())["files"])
+    victim = path / names[1]  # rank 1 reads this one
+    victim.write_bytes(victim.read_bytes() + b"!")
+    messages = run_ranks(2, _verify_on_ranks, str(path))
+    assert messages[0] == messages[1] and f"is damaged: {victim.name} has" in messages[0]
+
+
+def test_checkpoint_without_manifest_loads_unverified(tmp_path: Path) -> None:
+    path, state = _saved(tmp_path)
+    (path / checkpoint.MANIFEST).unlink()
+    assert checkpoint.verify(path) is False
+    checkpoint.load({"model": dict(state["model"])}, path)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -105,6 +106,44 @@ def test_resume_at_another_world_size_continues_identically(
     second = fullshard(*common, "--resume", "--nproc", str(resume_ranks))
     assert second.returncode == 0, second.stderr
     resumed, whole = losses(tmp_path), losses(uninterrupted)
+    assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
+    torch.testing.assert_close([resumed[s] for s in (4, 5, 6)], [whole[s] for s in (4, 5, 6)], rtol=1e-5, atol=1e-5)
+
+
+def test_killed_rank_restarts_from_checkpoint_and_matches(tmp_path: Path, corpus: Path, uninterrupted: Path) -> None:
+    common = ["train", "--data", str(corpus), "--out", str(tmp_path), "--steps", "6", "--checkpoint-every", "3", *TINY]
+    done = fullshard(*common, "--max-restarts", "1", env={"FULLSHARD_FAULT": "kill:1:5"})
+    assert done.returncode == 0, done.stderr
+    assert ("fullshard train: rank 1 was killed by SIGKILL; restarting from the latest intact checkpoint "
+            "(restart 1 of 1)") in done.stderr
+    resumed, whole = losses(tmp_path), losses(uninterrupted)
+    assert sorted(resumed) == [1, 2, 3, 4, 5, 6]  # step 4 ran twice: before the kill and after the restart
+    torch.testing.assert_close([resumed[s] for s in range(1, 7)], [whole[s] for s in range(1, 7)], rtol=1e-5, atol=1e-5)
+
+
+def test_killed_rank_stops_the_others_with_one_line(tmp_path: Path, corpus: Path) -> None:
+    common = ["train", "--data", str(corpus), "--out", str(tmp_path), "--steps", "6", *TINY]
+    done = fullshard(*common, env={"FULLSHARD_FAULT": "kill:0:2"}, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == (
+        "fullshard train: error: rank 0 was killed by SIGKILL; the other ranks were stopped")
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]
+
+
+def test_damaged_checkpoint_falls_back_to_the_previous(tmp_path: Path, corpus: Path, uninterrupted: Path) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(uninterrupted, run)
+    victim = sorted((run / "checkpoints" / "step_000006").glob("*.distcp"))[0]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    common = ["train", "--data", str(corpus), "--out", str(run), "--steps", "6", "--checkpoint-every", "3", *TINY]
+    done = fullshard(*common, "--resume")
+    assert done.returncode == 0, done.stderr
+    assert (f"fullshard train: checkpoint {run / 'checkpoints' / 'step_000006'} is damaged: {victim.name} has CRC-32"
+            in done.stderr)
+    assert "falling back to the previous checkpoint" in done.stderr
+    resumed, whole = losses(run), losses(uninterrupted)
     assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
     torch.testing.assert_close([resumed[s] for s in (4, 5, 6)], [whole[s] for s in (4, 5, 6)], rtol=1e-5, atol=1e-5)
 

@@ -6,12 +6,11 @@
 
 import logging
 
-from torch.distributed.fsdp import DataParallelMeshDims
-
 from fullshard import checkpoint, optim
 from fullshard.api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method, share_comm_ctx
 from fullshard.ema import EMA
 from fullshard.errors import AlreadyShardedError, UsageError
+from fullshard.failures import RankFailureError, collective_timeout, set_collective_timeout
 from fullshard.fsdp1 import (
     ReduceState,
     bf16_compress_hook,
@@ -23,6 +22,7 @@ from fullshard.fsdp1 import (
     register_comm_hook,
     summon_full_params,
 )
+from fullshard.mesh import DataParallelMeshDims
 from fullshard.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from fullshard.state_dict import (
     OptimStateKeyType,
@@ -56,6 +56,7 @@ __all__ = [
     "ModuleWrapPolicy",
     "OffloadPolicy",
     "OptimStateKeyType",
+    "RankFailureError",
     "ReduceState",
     "ShardingStrategy",
     "UnshardHandle",
@@ -63,6 +64,7 @@ __all__ = [
     "bf16_compress_hook",
     "checkpoint",
     "clip_grad_norm_",
+    "collective_timeout",
     "fp16_compress_hook",
     "full_optim_state_dict",
     "full_state_dict",
@@ -75,6 +77,7 @@ __all__ = [
     "register_comm_hook",
     "register_fsdp_forward_method",
     "rekey_optim_state_dict",
+    "set_collective_timeout",
     "shard_model",
     "share_comm_ctx",
     "size_based_auto_wrap_policy",

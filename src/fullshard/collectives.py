@@ -16,10 +16,12 @@ All-gather (``all_gather`` / ``PendingCollective.wait``)
 - The copy-in (cast to the compute dtype, or host-to-device for offloaded
   shards), the all-gather input and output are allocated and written on the
   all-gather stream. ``wait()`` makes the compute stream wait for the
-  collective; the copy-out into the unsharded buffer (allocated on the compute
-  stream) runs there, then ``release()`` records an event and drops the input
-  and output. Before its next allocation the all-gather stream waits for that
-  event, so the memory is reused only after the compute stream read it.
+  collective and for an event recorded on the all-gather stream after issuing
+  it (which alone orders the copy-in when one rank issues no collective); the
+  copy-out into the unsharded buffer (allocated on the compute stream) runs
+  there, then ``release()`` records an event and drops the input and output.
+  Before its next allocation the all-gather stream waits for that event, so
+  the memory is reused only after the compute stream read it.
 - Host-to-device copies from pinned shards record ``h2d_done``; the host waits
   for it at the end of backward and after a forward-only pass, before the
   optimizer (or the user) can write into the pinned shards again.
@@ -58,6 +60,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
+
+from fullshard import failures
 
 
 def profiled(kind: str, label: str = "") -> contextlib.AbstractContextManager[Any]:
@@ -152,11 +156,20 @@ class PendingCollective:
     # Buffers the collective reads or writes; kept until the caller releases them (see the Note).
     buffers: tuple[torch.Tensor, ...] = ()
     done: Any = None  # an event on the stream that issued it, recorded right after it
+    issued: Any = None  # accelerators: an event after the side-stream work ``wait()`` must also order after
+    what: str = ""  # for errors: "all-gather of group 'blocks.0'"
+    group: dist.ProcessGroup | None = None
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
-            self.work.wait()
+            if self.output.device.type == "cpu":  # the host blocks: bounded, see [Note: Failure detection]
+                failures.wait(self.work, self.what, self.group)
+            else:
+                self.work.wait()
             self.work = None
+        if self.issued is not None:  # the kernels queued before the collective (a copy-in), on a side stream
+            torch.get_device_module(self.output.device).current_stream().wait_event(self.issued)
+            self.issued = None
         return self.output
 
 
@@ -194,8 +207,14 @@ def all_gather(
             if flat_shard.device != device:
                 streams.h2d_done = streams.record()
         output = inp if world_size == 1 else torch.empty(world_size * flat_shard.numel(), dtype=dtype, device=device)
-        work = None if world_size == 1 or inp.numel() == 0 else _all_gather_single(output, inp, group=group, async_op=True)
-    return PendingCollective(work, output, (inp, output))
+        work = None
+        if world_size > 1 and inp.numel():
+            work = _all_gather_single(output, inp, group=group, async_op=True)
+            failures.issued()
+        # `work.wait()` orders the waiter after the collective, but not after the copy-in when no collective
+        # runs (one rank, no elements): the event covers that (and states the order to stream checkers).
+        issued = streams.record()
+    return PendingCollective(work, output, (inp, output), issued=issued, what=f"all-gather of group {label!r}", group=group)
 
 
 def reduce_scatter(
@@ -221,7 +240,9 @@ def reduce_scatter(
         work = _reduce_scatter_single(
             output, inp.view(-1), op=dist.ReduceOp.SUM if op is None else op, group=group, async_op=True
         )
-    return _ordered(PendingCollective(work, output, (inp, output)), streams)
+        failures.issued()
+    pending = PendingCollective(work, output, (inp, output), what=f"reduce-scatter of group {label!r}", group=group)
+    return _ordered(pending, streams)
 
 
 def all_reduce(
@@ -233,7 +254,9 @@ def all_reduce(
     """
     with profiled("all_reduce", label):
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op is None else op, group=group, async_op=True)
-    return _ordered(PendingCollective(work, tensor, (tensor,)), streams)
+        failures.issued()
+    pending = PendingCollective(work, tensor, (tensor,), what=f"all-reduce of group {label!r}", group=group)
+    return _ordered(pending, streams)
 
 
 def _ordered(pending: PendingCollective, streams: CommStreams) -> PendingCollective:

@@ -12,6 +12,28 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 
 from fullshard.errors import UsageError
 
+try:
+    from torch.distributed.fsdp import DataParallelMeshDims
+except ImportError:  # torch before 2.13: the same two names, so code written for either works
+
+    @dataclass(frozen=True)
+    class DataParallelMeshDims:  # type: ignore[no-redef]
+        """Names of the mesh axes that shard and that replicate (each a name, a tuple of names, or None)."""
+
+        shard: str | tuple[str, ...] | None = None
+        replicate: str | tuple[str, ...] | None = None
+
+        @property
+        def shard_names(self) -> tuple[str, ...]:
+            return _names(self.shard)
+
+        @property
+        def replicate_names(self) -> tuple[str, ...]:
+            return _names(self.replicate)
+
+    def _names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
+        return () if value is None else (value,) if isinstance(value, str) else tuple(value)
+
 
 @dataclass(frozen=True)
 class MeshInfo:

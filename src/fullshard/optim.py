@@ -140,4 +140,4 @@ def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """``local`` as a tensor sharded like ``p``."""
     if not isinstance(p, DTensor):
         return local
-    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+    return DTensor(local, p._spec, requires_grad=False)  # same shape, stride, dtype; `local` stays on its device

@@ -9,7 +9,7 @@ from typing import cast
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from fullshard.layout import ParamLayout
 from fullshard.mesh import MeshInfo
@@ -141,22 +141,19 @@ class ShardedParam:
 
         The DTensor's spec (mesh, placements, global shape, stride, dtype) is built once per dtype
         and reused: ``DTensor.from_local`` costs about ten times more, and gradients need a new
-        DTensor per parameter and step.
+        DTensor per parameter and step. ``local`` stays where it is (host memory when offloading):
+        ``from_local`` in torch before 2.13 moves it to the mesh's device.
         """
         spec = self._specs.get(local.dtype)
-        if spec is not None and not local.requires_grad:
-            return DTensor(local, spec, requires_grad=False)
-        lay = self.layout
-        value = DTensor.from_local(
-            local,
-            self.mesh_info.mesh,
-            self.mesh_info.placements(lay.shard_dim),
-            run_check=False,
-            shape=torch.Size(lay.shape),
-            stride=contiguous_stride(lay.shape),
-        )
-        self._specs[local.dtype] = value._spec
-        return value
+        if spec is None:
+            lay = self.layout
+            meta = TensorMeta(torch.Size(lay.shape), contiguous_stride(lay.shape), local.dtype)
+            spec = DTensorSpec(self.mesh_info.mesh, self.mesh_info.placements(lay.shard_dim), tensor_meta=meta)
+            self._specs[local.dtype] = spec
+        if local.requires_grad:  # keep the autograd edge to `local`
+            return DTensor.from_local(local, spec.mesh, spec.placements, run_check=False, shape=spec.shape,
+                                      stride=spec.stride)
+        return DTensor(local, spec, requires_grad=False)
 
     def bind_shard(self, padded_chunk: torch.Tensor, requires_grad: bool) -> None:
         with torch.no_grad():

@@ -53,6 +53,7 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
+from fullshard import failures
 from fullshard.collectives import CommStreams, profiled
 from fullshard.group import ParamGroup, ShardedState
 from fullshard.policy import MixedPrecisionPolicy
@@ -314,6 +315,7 @@ class HookState:
                     prefix = module_names.get(p.sites[0].module, "")
                     p.fqn = f"{prefix}.{p.sites[0].name}" if prefix else p.sites[0].name
         _check_no_shared_originals(states)
+        failures.start_heartbeat()
         for state in states:
             if state.group is not None:
                 state.group.adopt_reassigned()

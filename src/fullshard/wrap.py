@@ -26,11 +26,11 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, DataParallelMeshDims, MixedPrecision, ShardingStrategy
+from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
 
 from fullshard.api import fully_shard, original_class
-from fullshard.mesh import default_device_type
+from fullshard.mesh import DataParallelMeshDims, default_device_type
 from fullshard.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from fullshard.runtime import BackwardPrefetchMode, state_of
 

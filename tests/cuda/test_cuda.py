@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -148,12 +149,14 @@ class Wide(nn.Module):
         return x
 
 
+@pytest.mark.skipif(bool(os.environ.get("TORCH_CUDA_SANITIZER")),
+                    reason="the stream checker slows every host-side op so far that the GPU waits for the host")
 def test_next_all_gather_overlaps_compute(tmp_path: Any) -> None:
     """bf16: each group's copy-in (the cast into the all-gather input) runs on the all-gather stream while the
     previous group's matmuls run on the compute stream."""
-    model = Wide()
+    model = Wide(dim=4096)  # matmuls long enough (about 1 ms) that the host runs ahead of the GPU
     shard_blocks(model, mp_policy=MixedPrecisionPolicy(param_dtype=BF16))
-    x = torch.randn(8192, 2048, device="cuda")
+    x = torch.randn(16384, 4096, device="cuda")
     for _ in range(2):  # record the order, warm up
         model(x).float().sum().backward()
     torch.cuda.synchronize()
@@ -163,7 +166,8 @@ def test_next_all_gather_overlaps_compute(tmp_path: Any) -> None:
         torch.cuda.synchronize()
     prof.export_chrome_trace(str(trace))
     kernels = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("cat") == "kernel"]
-    gemms = [e for e in kernels if "gemm" in e["name"].lower() or "matmul" in e["name"].lower()]
+    gemm_names = ("gemm", "matmul", "nvjet", "cutlass", "xmma")  # cuBLAS names its Hopper kernels nvjet_*
+    gemms = [e for e in kernels if any(n in e["name"].lower() for n in gemm_names)]
     assert gemms, "no matmul kernels in the trace"
     compute_stream = max({e["args"]["stream"] for e in gemms}, key=lambda s: sum(e["args"]["stream"] == s for e in gemms))
     side = [e for e in kernels if e["args"]["stream"] != compute_stream]

@@ -26,6 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError, UserError) as err:
         print(f"fullshard {args.command}: error: {err}", file=sys.stderr)
         code = 2
+    except launch.RankFailed as err:  # the failing rank printed its traceback; the others were stopped
+        print(f"fullshard {args.command}: error: {err}; the other ranks were stopped", file=sys.stderr)
+        code = 1
     if launch.under_launcher() and args.command in ("train", "bench"):
         # A torchrun rank: skip interpreter finalisation, where the process group's C++
         # threads can abort the process after the work is done (see launch._local_rank).

@@ -127,7 +127,7 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
             if cuda:
                 torch.cuda.synchronize()
                 run["peak"] = max(run["peak"], torch.cuda.max_memory_allocated())
-            elapsed = torch.tensor(time.perf_counter() - start)
+            elapsed = torch.tensor(time.perf_counter() - start, device=device)  # NCCL reduces device tensors
             sent = counter.bytes
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             run["losses"].append(loss.item())

@@ -8,11 +8,12 @@ from typing import Any
 
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
 
-from fullshard.checkpoint import complete_checkpoint
+from fullshard.checkpoint import complete_checkpoint, verify
 
 
 def consolidate(args: argparse.Namespace) -> int:
     source = complete_checkpoint(args.checkpoint)
+    verify(source)  # a damaged file is a ValueError naming it: "fullshard consolidate: error: ...", status 2
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     dcp_to_torch_save(source, args.output)
     print(f"wrote {args.output} from {source}")

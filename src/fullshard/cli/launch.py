@@ -3,13 +3,21 @@
 A rank that raises ``UserError`` (bad input) reports one line; the launcher
 prints the first such line and the command exits with status 2, without a
 traceback. Any other exception keeps its traceback.
+
+A rank that dies or fails brings the local group down: the others get
+``GRACE_S`` seconds to exit on their own (they usually fail at once, in a
+collective with it), then they are terminated, and ``RankFailed`` names the
+first rank that failed and how.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import multiprocessing.connection
 import os
+import signal
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -17,9 +25,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+GRACE_S = 10.0
+
 
 class UserError(Exception):
     """Bad input: reported as one line, exit status 2."""
+
+
+class RankFailed(RuntimeError):
+    """A local rank died or raised; the message is one line naming it (its traceback went to stderr)."""
+
+    def __init__(self, message: str, rank: int) -> None:
+        super().__init__(message)
+        self.rank = rank
 
 
 def under_launcher() -> bool:
@@ -47,19 +65,53 @@ def run(worker: Callable[..., None], nproc: int, *args: Any, device_type: str = 
     ]
     for proc in procs:
         proc.start()
-    for proc in procs:
-        proc.join()
+    first_failed = _supervise(procs)
     messages = []
     while not errors.empty():
         messages.append(errors.get())
-    if messages:
-        kind, text = sorted(messages)[0]
-        if kind == "user":
-            raise UserError(text)
-        raise RuntimeError(f"a rank failed:\n{text}")
-    failed = [p.exitcode for p in procs if p.exitcode]
-    if failed:
-        raise RuntimeError(f"ranks exited with codes {failed}")
+    user = sorted(text for kind, rank, text in messages if kind == "user")
+    if user:
+        raise UserError(user[0])
+    if first_failed is not None:
+        reports = {rank: text for kind, rank, text in messages}
+        raise RankFailed(_describe(first_failed, procs[first_failed].exitcode, reports.get(first_failed)), first_failed)
+
+
+def _supervise(procs: list[Any]) -> int | None:
+    """Wait for every rank; after the first failure give the rest ``GRACE_S`` s, then stop them. The first failed rank."""
+    first_failed: int | None = None
+    deadline = None
+    live = {proc.sentinel: rank for rank, proc in enumerate(procs)}
+    while live:
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready = mp.connection.wait(list(live), timeout=timeout)
+        if not ready:  # grace period over
+            for rank in live.values():
+                procs[rank].terminate()
+            for rank in live.values():
+                procs[rank].join(5)
+                if procs[rank].exitcode is None:
+                    procs[rank].kill()
+                    procs[rank].join()
+            break
+        exited = [live.pop(sentinel) for sentinel in ready]
+        for rank in exited:
+            procs[rank].join()
+        # Of ranks found dead together, one killed by a signal is the likelier cause.
+        for rank in sorted(exited, key=lambda r: (procs[r].exitcode or 0) >= 0):
+            if procs[rank].exitcode and first_failed is None:
+                first_failed = rank
+                deadline = time.monotonic() + GRACE_S
+    return first_failed
+
+
+def _describe(rank: int, code: int | None, report: str | None) -> str:
+    if report is not None:
+        last = report.strip().splitlines()[-1]
+        return f"rank {rank} failed: {last} (its traceback is above)"
+    if code is not None and code < 0:
+        return f"rank {rank} was killed by {signal.Signals(-code).name}"
+    return f"rank {rank} exited with status {code}"
 
 
 def _init_from_env(device_type: str) -> None:
@@ -88,9 +140,11 @@ def _local_rank(
         worker(rank, world_size, *args)
         _teardown()
     except UserError as err:
-        errors.put(("user", str(err)))
+        errors.put(("user", rank, str(err)))
     except BaseException:
-        errors.put(("crash", traceback.format_exc()))
+        text = traceback.format_exc()
+        print(f"[rank {rank}] {text}", file=sys.stderr, end="")
+        errors.put(("crash", rank, text))
         code = 1
     # Leave without interpreter finalisation: destroying the process group's and the
     # store's C++ threads during shutdown can abort ("terminate called without an

@@ -14,6 +14,8 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
+import signal
 import sys
 import time
 import tomllib
@@ -79,6 +81,7 @@ class TrainConfig:
     hf_model: str = ""
     ema: float = 0.0
     skip_nonfinite: bool = False
+    max_restarts: int = 0
     progress: bool = True
 
     def model_config(self) -> GPTConfig:
@@ -96,6 +99,8 @@ class TrainConfig:
             raise UserError(f"--sharding must be one of {sorted(STRATEGIES)}, got {self.sharding!r}")
         if self.reshard_after_forward not in ("auto", "true", "false"):
             raise UserError(f"--reshard-after-forward must be auto, true or false, got {self.reshard_after_forward!r}")
+        if self.max_restarts < 0:
+            raise UserError(f"--max-restarts must be at least 0, got {self.max_restarts}")
         if not 0.0 <= self.ema < 1.0:
             raise UserError(f"--ema must be a decay in [0, 1) (0: off), got {self.ema}")
         for name in ("nproc", "batch_size", "grad_accum", "steps", "eval_every", "eval_batches", "checkpoint_every", "replicate"):
@@ -158,8 +163,28 @@ HELP = {
     "on held-out text at each evaluation and saved in checkpoints (0: off)",
     "skip_nonfinite": "skip an optimizer step whose gradients hold a NaN or inf (on every rank alike) instead of "
     "stopping with an error that names the parameters",
+    "max_restarts": "when a rank dies, stop the others and start again from the latest intact checkpoint, up to N "
+    "times (local ranks; under torchrun use its --max-restarts: a restarted worker resumes by itself)",
     "progress": "show the progress bar on rank 0",
 }
+
+# Fault injection for testing recovery: "kill:RANK:STEP" makes RANK kill itself (SIGKILL) as it starts step STEP,
+# in the first attempt only.
+FAULT_ENV = "FULLSHARD_FAULT"
+RESTART_ENV = "FULLSHARD_RESTART_COUNT"  # set by the local launcher; torchrun sets TORCHELASTIC_RESTART_COUNT
+
+
+def restart_count() -> int:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or os.environ.get(RESTART_ENV) or 0)
+
+
+def _inject_fault(rank: int, step: int) -> None:
+    spec = os.environ.get(FAULT_ENV, "")
+    if spec.startswith("kill:") and restart_count() == 0:
+        _, fault_rank, fault_step = spec.split(":")
+        if rank == int(fault_rank) and step + 1 == int(fault_step):
+            sys.stderr.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def add_command(commands: Any) -> None:
@@ -210,9 +235,21 @@ def main(args: argparse.Namespace) -> int:
     cfg = resolve_config(args)
     data = Path(cfg.data) if cfg.data else default_corpus()
     Corpus.load(data, cfg.seq_len)  # fail here, before starting ranks, on bad data
-    if not launch.under_launcher():
-        cfg.rows_per_rank(cfg.nproc)
-    launch.run(worker, cfg.nproc, cfg, device_type=cfg.device)
+    if launch.under_launcher():
+        launch.run(worker, cfg.nproc, cfg, device_type=cfg.device)
+        return 0
+    cfg.rows_per_rank(cfg.nproc)
+    for restarts in range(cfg.max_restarts + 1):
+        os.environ[RESTART_ENV] = str(restarts)
+        try:
+            launch.run(worker, cfg.nproc, cfg, device_type=cfg.device)
+            return 0
+        except launch.RankFailed as err:
+            if restarts == cfg.max_restarts:
+                raise
+            print(f"fullshard train: {err}; restarting from the latest intact checkpoint "
+                  f"(restart {restarts + 1} of {cfg.max_restarts})", file=sys.stderr)
+            cfg = dataclasses.replace(cfg, resume=True)
     return 0
 
 
@@ -266,9 +303,27 @@ def app_state(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, ema
     return state
 
 
-def latest_checkpoint(out: Path) -> Path | None:
+def complete_checkpoints(out: Path) -> list[Path]:
+    """The run's complete checkpoints, newest first."""
     found = [p for p in (out / "checkpoints").glob("step_*") if checkpoint.is_complete(p)]
-    return max(found, key=lambda p: int(p.name.split("_")[1])) if found else None
+    return sorted(found, key=lambda p: int(p.name.split("_")[1]), reverse=True)
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    found = complete_checkpoints(out)
+    return found[0] if found else None
+
+
+def intact_checkpoint(out: Path, rank: int) -> Path | None:
+    """The newest checkpoint whose files match its manifest; each damaged newer one is reported. Collective."""
+    for path in complete_checkpoints(out):
+        try:
+            checkpoint.verify(path)
+            return path
+        except checkpoint.CheckpointDamagedError as err:
+            if rank == 0:
+                print(f"fullshard train: {err}; falling back to the previous checkpoint", file=sys.stderr)
+    return None
 
 
 def causal_lm_loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -307,12 +362,12 @@ def worker(rank: int, world_size: int, cfg: TrainConfig) -> None:
     ema = EMA(model, cfg.ema) if cfg.ema else None
     out = Path(cfg.out)
     start = 0
-    if cfg.resume:
-        found = latest_checkpoint(out)
+    if cfg.resume or restart_count() > 0:
+        found = intact_checkpoint(out, rank)
         if found is not None:
             state = app_state(model, opt, 0, ema)
             try:
-                checkpoint.load(state, found)
+                checkpoint.load(state, found, check_files=False)  # verified just now
             except ValueError as err:
                 raise UserError(
                     f"cannot resume: {err} (was it written by a model of another shape, or with another --ema setting?)"
@@ -323,7 +378,7 @@ def worker(rank: int, world_size: int, cfg: TrainConfig) -> None:
                 ema.load_state_dict(state["ema"])
             start = int(state["train"]["step"])
         elif rank == 0:
-            print(f"fullshard train: no checkpoint in {out / 'checkpoints'}; starting at step 0", file=sys.stderr)
+            print(f"fullshard train: no intact checkpoint in {out / 'checkpoints'}; starting at step 0", file=sys.stderr)
 
     def local_rows(split: str, index: int, micro: int) -> torch.Tensor:
         batch = corpus.batch(split, cfg.seed, index, cfg.batch_size, cfg.seq_len)
@@ -349,7 +404,9 @@ def worker(rank: int, world_size: int, cfg: TrainConfig) -> None:
     timed: list[float] = []
     skipped: list[int] = []  # steps whose gradients were not finite (--skip-nonfinite)
     end = min(cfg.steps, cfg.stop_at) if cfg.stop_at else cfg.steps
+    metrics_file = _open_metrics(out, start) if rank == 0 else None
     for step in range(start, end):
+        _inject_fault(rank, step)
         begin = time.perf_counter()
         for group in opt.param_groups:
             group["lr"] = lr_at(cfg, step)
@@ -392,6 +449,9 @@ def worker(rank: int, world_size: int, cfg: TrainConfig) -> None:
                 with ema.swap():
                     record["eval_loss_ema"] = evaluate()
         metrics.append(record)
+        if metrics_file is not None:  # a line per step, so a run that dies keeps what it did
+            metrics_file.write(json.dumps(record) + "\n")
+            metrics_file.flush()
         if progress is not None:
             progress.update(1)
             progress.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
@@ -403,19 +463,22 @@ def worker(rank: int, world_size: int, cfg: TrainConfig) -> None:
         memory = state_bytes(model, opt)
     per_rank: list[Any] = [None] * world_size
     dist.all_gather_object(per_rank, memory)
+    if metrics_file is not None:
+        metrics_file.close()
     if rank == 0:
-        _write_metrics(out, metrics, start)
         report = _summary(cfg, corpus, model, metrics, per_rank, timed, tokens_per_step, saved_at or latest_checkpoint(out), out)
         print(report)
 
 
-def _write_metrics(out: Path, metrics: list[dict[str, Any]], start: int) -> None:
+def _open_metrics(out: Path, start: int) -> Any:
+    """metrics.jsonl for appending; a resumed run keeps the earlier lines up to where it resumed."""
     out.mkdir(parents=True, exist_ok=True)
     path = out / "metrics.jsonl"
     kept = []
-    if start and path.exists():  # resumed: keep the earlier run's lines up to where it resumed
+    if start and path.exists():
         kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= start]
-    path.write_text("".join(line + "\n" for line in kept + [json.dumps(m) for m in metrics]))
+    path.write_text("".join(line + "\n" for line in kept))
+    return path.open("a")
 
 
 def _summary(
