@@ -42,18 +42,24 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
     opt.step()
     opt.zero_grad()
     path = Path(args.dir)
-    saves, loads = [], []
+    saves, loads, manifests, verifies = [], [], [], []
     for _ in range(args.repeats):
         state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
         saves.append(timed(lambda: checkpoint.save(state, path)))
         loads.append(timed(lambda: checkpoint.load(state, path)))
+        # The checksum parts on their own: hashing for the manifest (inside save), checking it (inside load).
+        manifests.append(timed(lambda: checkpoint._write_manifest(path)))
+        verifies.append(timed(lambda: checkpoint.verify(path)))
     if rank == 0:
         size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
         n_params = sum(p.numel() for p in GPT(cfg).parameters())
         print(f"GPT {cfg.n_layers} blocks, {n_params / 1e6:.2f}M parameters + AdamW state, world size {world_size}")
         print(f"checkpoint size: {size / 2**20:.1f} MiB in {sum(1 for f in path.rglob('*') if f.is_file())} files")
-        print(f"save: median {statistics.median(saves) * 1e3:.0f} ms, load: median {statistics.median(loads) * 1e3:.0f} ms "
-              f"({args.repeats} repeats)")
+        save, load = statistics.median(saves), statistics.median(loads)
+        manifest, verify = statistics.median(manifests), statistics.median(verifies)
+        print(f"save: median {save * 1e3:.0f} ms, load: median {load * 1e3:.0f} ms ({args.repeats} repeats)")
+        print(f"checksums: manifest {manifest * 1e3:.0f} ms ({manifest / save:.0%} of save), "
+              f"verify {verify * 1e3:.0f} ms ({verify / load:.0%} of load)")
         shutil.rmtree(path, ignore_errors=True)
 
 

@@ -10,7 +10,7 @@ from fullshard import checkpoint, optim
 from fullshard.api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method, share_comm_ctx
 from fullshard.ema import EMA
 from fullshard.errors import AlreadyShardedError, UsageError
-from fullshard.failures import RankFailureError, collective_timeout, set_collective_timeout
+from fullshard.failures import DivergenceError, RankFailureError, collective_timeout, set_collective_timeout
 from fullshard.fsdp1 import (
     ReduceState,
     bf16_compress_hook,
@@ -50,6 +50,7 @@ __all__ = [
     "CustomPolicy",
     "EMA",
     "DataParallelMeshDims",
+    "DivergenceError",
     "FSDPModule",
     "MixedPrecision",
     "MixedPrecisionPolicy",

@@ -16,7 +16,7 @@ from torch.distributed.fsdp import UnshardHandle as _TorchUnshardHandle
 from torch.distributed.tensor import DTensor, Shard
 
 from fullshard.collectives import CommStreams
-from fullshard.errors import AlreadyShardedError, UnsupportedError, UsageError
+from fullshard.errors import AlreadyShardedError, UnsupportedError, UsageError, expect_bool, expect_positive
 from fullshard.group import ParamGroup, ShardedState
 from fullshard.layout import ParamLayout
 from fullshard.mesh import MeshInfo, mesh_device, post_forward_group, resolve_mesh
@@ -91,6 +91,13 @@ def fully_shard(
         )
     mp_policy = validate_mp_policy(mp_policy)
     offload_policy = validate_offload_policy(offload_policy)
+    if shard_placement_fn is not None and not callable(shard_placement_fn):
+        raise TypeError(f"shard_placement_fn must be callable or None, got {type(shard_placement_fn).__name__}")
+    if ignored_params is not None and (
+        not isinstance(ignored_params, set | frozenset | list | tuple)
+        or not all(isinstance(p, torch.Tensor) for p in ignored_params)
+    ):
+        raise TypeError(f"ignored_params must be a set of parameters, got {type(ignored_params).__name__}")
     mesh_info = resolve_mesh(mesh, dp_mesh_dims)
     device = mesh_device(mesh_info.mesh)
     reshard_after_forward, post_forward_size = _resolve_reshard_after_forward(reshard_after_forward, mesh_info)
@@ -376,6 +383,7 @@ class FSDPModule:
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this module's group. With ``async_op=True`` return a handle to wait on."""
+        expect_bool("unshard", "async_op", async_op)
         state = self._get_hook_state()
         if state.ctx is None:
             state.lazy_init()
@@ -409,32 +417,38 @@ class FSDPModule:
         The equivalent of FSDP1's ``no_sync()``; for HSDP it skips the all-reduce too. The setting of
         :meth:`set_requires_all_reduce` is kept: a synced backward all-reduces when both are ``True``.
         """
+        expect_bool("set_requires_gradient_sync", "requires_gradient_sync", requires_gradient_sync)
         for settings in _reduce_settings(self._as_module(), recurse):
             settings.requires_gradient_sync = requires_gradient_sync
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: ``False`` reduce-scatters but keeps the per-replica sums, all-reduced by a later backward."""
+        expect_bool("set_requires_all_reduce", "requires_all_reduce", requires_all_reduce)
         for settings in _reduce_settings(self._as_module(), recurse):
             settings.requires_all_reduce = requires_all_reduce
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """``False`` keeps the unsharded parameters after backward (saves the next forward's all-gather)."""
+        expect_bool("set_reshard_after_backward", "reshard_after_backward", reshard_after_backward)
         for state in states_in(self._as_module(), recurse):
             state.reshard_after_backward = reshard_after_backward
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """``False``: the next backward leaves its reductions in flight; the next last backward waits for all."""
+        expect_bool("set_is_last_backward", "is_last_backward", is_last_backward)
         state = self._get_hook_state()
         (state.ctx or state.lazy_init()).is_last_backward = is_last_backward
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """``False``: backward needs no parameter of this group (e.g. an embedding), so skip its all-gather."""
-        self._get_hook_state().unshard_in_backward = unshard_in_backward
+        self._get_hook_state().unshard_in_backward = expect_bool("set_unshard_in_backward", "unshard_in_backward",
+                                                                 unshard_in_backward)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide the summed gradients by ``factor`` instead of the data-parallel world size."""
+        value = expect_positive("set_gradient_divide_factor", "factor", factor)
         for settings in _reduce_settings(self._as_module(), recurse=False):
-            settings.divide_factor = float(factor)
+            settings.divide_factor = value
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """The older name of :meth:`set_gradient_divide_factor`."""
@@ -447,6 +461,8 @@ class FSDPModule:
         rest of the post-reduce work after the hook), else on the stream doing the reduction. Not
         with HSDP, whose all-reduce stream runs it.
         """
+        if not callable(hook):
+            raise TypeError(f"set_all_reduce_hook: hook must be callable, got {type(hook).__name__}")
         group = self._get_hook_state().group
         if group is None:
             return
@@ -458,12 +474,15 @@ class FSDPModule:
     def set_post_optim_event(self, event: torch.Event) -> None:
         """Order the root's next forward all-gathers after ``event`` (recorded after the optimizer step)
         instead of after everything queued on the compute stream."""
+        if not callable(getattr(event, "wait", None)):
+            raise TypeError(f"set_post_optim_event: event must be a torch.Event (or a device Event), got {type(event).__name__}")
         state = self._get_hook_state()
         (state.ctx or state.lazy_init()).post_optim_event = event
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
         """Reduce zeros for trainable parameters that got no gradient, so ranks whose control flow used
         different parameters (mixture of experts) still issue matching collectives."""
+        expect_bool("set_reduce_scatter_unused_params", "reduce_scatter_unused_params", reduce_scatter_unused_params)
         for settings in _reduce_settings(self._as_module(), recurse):
             settings.reduce_unused_params = reduce_scatter_unused_params
 
@@ -499,6 +518,7 @@ class FSDPModule:
 
         Without it, NCCL reductions whose divide factor is the data-parallel size use ``AVG``.
         """
+        expect_bool("set_force_sum_reduction_for_comms", "enable", enable)
         for settings in _reduce_settings(self._as_module(), recurse=False):
             settings.force_sum_reduction = enable
 
@@ -566,6 +586,8 @@ def _reduce_settings(module: nn.Module, recurse: bool) -> list[ReduceSettings]:
 
 
 def _states_of(modules: list[FSDPModule]) -> list[HookState]:
+    if not isinstance(modules, list | tuple):
+        raise TypeError(f"expected a list of modules passed to fully_shard, got {type(modules).__name__}")
     states = []
     for mod in modules:
         state = state_of(mod)

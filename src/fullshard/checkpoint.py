@@ -151,6 +151,7 @@ def complete_checkpoint(path: str | os.PathLike[str]) -> Path:
 
 def save(state: dict[str, Any], path: str | os.PathLike[str]) -> Path:
     """Save ``state`` (e.g. ``{"model": model.state_dict(), "optim": ...}``) to ``path`` atomically. Collective."""
+    _check_arguments("save", state, path)
     path = Path(path)
     partial, previous = _sibling(path, PARTIAL_SUFFIX), _sibling(path, PREVIOUS_SUFFIX)
     if _rank() == 0:
@@ -180,6 +181,7 @@ def load(state: dict[str, Any], path: str | os.PathLike[str], check_files: bool 
     files are checked against the manifest first (``verify``) unless
     ``check_files`` is False (the caller just verified them).
     """
+    _check_arguments("load", state, path)
     found = complete_checkpoint(path)
     if check_files:
         verify(found)
@@ -196,6 +198,13 @@ def load(state: dict[str, Any], path: str | os.PathLike[str], check_files: bool 
         )
     dcp.load(state, checkpoint_id=found, no_dist=not dist.is_initialized())
     return found
+
+
+def _check_arguments(where: str, state: object, path: object) -> None:
+    if not isinstance(state, Mapping):
+        raise TypeError(f"checkpoint.{where}: state must be a dict (e.g. {{'model': ...}}), got {type(state).__name__}")
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"checkpoint.{where}: path must be a str or os.PathLike, got {type(path).__name__}")
 
 
 def tensor_keys(tree: Mapping[str, Any], prefix: str = "") -> list[str]:

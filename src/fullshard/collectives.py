@@ -159,11 +159,12 @@ class PendingCollective:
     issued: Any = None  # accelerators: an event after the side-stream work ``wait()`` must also order after
     what: str = ""  # for errors: "all-gather of group 'blocks.0'"
     group: dist.ProcessGroup | None = None
+    index: int = 0  # its place in the iteration's schedule ([Note: Divergence check] in failures.py)
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
             if self.output.device.type == "cpu":  # the host blocks: bounded, see [Note: Failure detection]
-                failures.wait(self.work, self.what, self.group)
+                failures.wait(self.work, self.what, self.group, self.index)
             else:
                 self.work.wait()
             self.work = None
@@ -207,14 +208,15 @@ def all_gather(
             if flat_shard.device != device:
                 streams.h2d_done = streams.record()
         output = inp if world_size == 1 else torch.empty(world_size * flat_shard.numel(), dtype=dtype, device=device)
-        work = None
+        work, index = None, 0
         if world_size > 1 and inp.numel():
             work = _all_gather_single(output, inp, group=group, async_op=True)
-            failures.issued()
+            index = failures.issued("all-gather", label, inp.numel())
         # `work.wait()` orders the waiter after the collective, but not after the copy-in when no collective
         # runs (one rank, no elements): the event covers that (and states the order to stream checkers).
         issued = streams.record()
-    return PendingCollective(work, output, (inp, output), issued=issued, what=f"all-gather of group {label!r}", group=group)
+    return PendingCollective(work, output, (inp, output), issued=issued, what=f"all-gather of group {label!r}", group=group,
+                             index=index)
 
 
 def reduce_scatter(
@@ -240,8 +242,9 @@ def reduce_scatter(
         work = _reduce_scatter_single(
             output, inp.view(-1), op=dist.ReduceOp.SUM if op is None else op, group=group, async_op=True
         )
-        failures.issued()
-    pending = PendingCollective(work, output, (inp, output), what=f"reduce-scatter of group {label!r}", group=group)
+        index = failures.issued("reduce-scatter", label, inp.numel())
+    pending = PendingCollective(work, output, (inp, output), what=f"reduce-scatter of group {label!r}", group=group,
+                                index=index)
     return _ordered(pending, streams)
 
 
@@ -254,8 +257,8 @@ def all_reduce(
     """
     with profiled("all_reduce", label):
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op is None else op, group=group, async_op=True)
-        failures.issued()
-    pending = PendingCollective(work, tensor, (tensor,), what=f"all-reduce of group {label!r}", group=group)
+        index = failures.issued("all-reduce", label, tensor.numel())
+    pending = PendingCollective(work, tensor, (tensor,), what=f"all-reduce of group {label!r}", group=group, index=index)
     return _ordered(pending, streams)
 
 

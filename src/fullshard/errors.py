@@ -26,3 +26,27 @@ class UnsupportedError(ValueError, NotImplementedError):
 
 class MetaParameterError(ValueError, RuntimeError):
     """A parameter still on the meta device at the first forward (FSDP2 raises ``RuntimeError``)."""
+
+
+def expect_bool(where: str, name: str, value: object) -> bool:
+    """``value`` when it is a bool; else ``TypeError`` naming the argument (``where``: the function)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{where}: {name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+def expect_positive(where: str, name: str, value: object) -> float:
+    """``value`` as a float when it is a positive finite number; else ``TypeError`` / ``ValueError`` naming it."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{where}: {name} must be a number, got {type(value).__name__}")
+    if not 0 < value < float("inf"):
+        raise ValueError(f"{where}: {name} must be a positive finite number, got {value}")
+    return float(value)
+
+
+def expect_module(where: str, value: object) -> None:
+    """``TypeError`` unless ``value`` is an ``nn.Module``."""
+    from torch import nn
+
+    if not isinstance(value, nn.Module):
+        raise TypeError(f"{where} expects an nn.Module, got {type(value).__name__}")

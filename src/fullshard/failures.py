@@ -23,6 +23,31 @@ says who is at fault:
 
 Without a store (torch's fake process group), the error only says that a peer
 failed.
+
+[Note: Divergence check]
+Ranks that run different code issue different collectives: a block run twice
+on one rank, a module skipped on another. When the mismatched collectives
+differ in size, the transport fails (gloo aborts the receiving rank, which the
+others report as above; NCCL hangs until its watchdog fires). When they have
+the same size (same-shaped blocks), they succeed and silently mix the data of
+different parameters. To turn that into an error, every rank keeps a CRC-32 of
+the collectives it issued in the current iteration (kind, group, element
+count) and, at the end of each backward, the ranks of the root's shard group
+all-gather (count, CRC) on a process group of their own (so the check never
+pairs with a collective a diverged rank still waits in): one 16-byte
+collective per backward, a host sync on accelerators. If they differ, the
+ranks exchange their lists and every rank raises the same ``DivergenceError``
+naming the first collective that differs, before the optimizer step can use
+the mixed gradients.
+
+A rank that issued *more* collectives than a peer waits in one the peer never
+issues. Before its check, each rank posts its count in the store; a rank whose
+host wait lasts longer than ``POLL_S`` looks there between slices of the wait,
+and when a peer reached the check with fewer collectives it posts the verdict
+and raises ``DivergenceError``; the peer, waiting in the check, reads the
+verdict and raises the same error. The list restarts at each root forward;
+forward-only passes are not checked. On accelerators, waits do not block the
+host: a count difference there ends with the process group's timeout.
 """
 
 from __future__ import annotations
@@ -30,15 +55,31 @@ from __future__ import annotations
 import datetime
 import threading
 import time
+import zlib
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 HEARTBEAT_S = 1.0
+POLL_S = 1.0  # host waits longer than this look for failures between slices
 _KEY = "fullshard/heartbeat/"
+_AT_CHECK = "fullshard/at-check/"  # + "<check>/<rank>": "<count> <crc>", posted before each check
+_VERDICT = "fullshard/verdict/"  # + "<check>": the DivergenceError message
+_WAITING = "fullshard/waiting/"  # + "<check>/<rank>": "<index> <collective>" while a host wait is long
+_checks = 0  # divergence checks this process has started
+_check_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+_waiting: tuple[int, str, float] | None = None  # the host wait in progress: (index, collective, since)
+_wait_published = False  # ... and it is posted in the store (removed when it ends)
 _timeout_s = 300.0
 _issued = 0  # fullshard collectives this process has issued
 _heartbeat: threading.Thread | None = None
+_schedule: list[str] = []  # this iteration's fullshard collectives, see [Note: Divergence check]
+_schedule_crc = 0
+
+
+class DivergenceError(RuntimeError):
+    """Ranks issued different fullshard collectives in one iteration (different code ran on them)."""
 
 
 class RankFailureError(RuntimeError):
@@ -63,10 +104,157 @@ def collective_timeout() -> float:
     return _timeout_s
 
 
-def issued() -> None:
-    """Count one fullshard collective (published by the heartbeat)."""
-    global _issued
+def issued(kind: str, label: str, numel: int) -> int:
+    """Count one fullshard collective (published by the heartbeat) and add it to this iteration's schedule;
+    return its index there."""
+    global _issued, _schedule_crc
     _issued += 1
+    entry = f"{kind} of group {label!r} ({numel} elements)"
+    _schedule.append(entry)
+    _schedule_crc = zlib.crc32(entry.encode(), _schedule_crc)
+    return len(_schedule) - 1
+
+
+def new_iteration() -> None:
+    global _schedule_crc
+    _schedule.clear()
+    _schedule_crc = 0
+
+
+def check_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """A process group with the ranks of ``group``, for the divergence check alone (created once per rank set).
+
+    Collective over the ranks of ``group`` (at lazy init, which every rank runs at its first forward).
+    """
+    if group is None or dist.get_backend(group) == "fake" or dist.get_world_size(group) == 1:
+        return None
+    ranks = tuple(dist.get_process_group_ranks(group))
+    if ranks not in _check_groups:
+        _check_groups[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+    return _check_groups[ranks]
+
+
+def check_schedule(group: dist.ProcessGroup, device: torch.device) -> None:
+    """Collective over ``group`` (from ``check_group``): raise ``DivergenceError`` on every rank if this
+    iteration's collectives differ between ranks."""
+    global _checks
+    entries, crc = list(_schedule), _schedule_crc
+    new_iteration()
+    check, _checks = _checks, _checks + 1
+    store = _store()
+    if store is not None:
+        store.set(f"{_AT_CHECK}{check}/{dist.get_rank()}", f"{len(entries)} {crc}")
+    world_size = dist.get_world_size(group)
+    mine = torch.tensor([len(entries), crc], dtype=torch.int64, device=device)
+    every = torch.empty(2 * world_size, dtype=torch.int64, device=device)
+    work = dist.all_gather_into_tensor(every, mine, group=group, async_op=True)
+    if device.type == "cpu":
+        wait(work, "the divergence check", group, index=-1)
+    else:
+        work.wait()
+    values = every.view(world_size, 2).tolist()
+    if all(v == values[0] for v in values):
+        return
+    schedules: list[Any] = [None] * world_size
+    dist.all_gather_object(schedules, entries, group=group)
+    raise DivergenceError(_difference(dist.get_process_group_ranks(group), schedules))
+
+
+def _difference(ranks: list[int], schedules: list[list[str]]) -> str:
+    first = next((i for i in range(max(map(len, schedules))) if len({tuple(s[i:i + 1]) for s in schedules}) > 1), 0)
+    seen: dict[str, list[int]] = {}
+    for rank, schedule in zip(ranks, schedules):
+        seen.setdefault(schedule[first] if first < len(schedule) else "nothing", []).append(rank)
+    what = "; ".join(f"{entry} on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}" for entry, r in seen.items())
+    counts = ", ".join(f"rank {rank}: {len(s)}" for rank, s in zip(ranks, schedules))
+    return (
+        f"fullshard: ranks ran different code in this iteration, so their collectives no longer match (data of "
+        f"different parameters may have been mixed; raised before the optimizer step): collective #{first + 1} was "
+        f"{what}. Collectives this iteration: {counts}. Run the same modules the same number of times on every rank "
+        f"(conditional compute must be decided identically on all ranks, e.g. from a broadcast value)."
+    )
+
+
+class _Watch:
+    """One long host wait's view of the store ([Note: Divergence check]); ``index`` -1: the check itself."""
+
+    def __init__(self, group: dist.ProcessGroup | None, index: int) -> None:
+        self.store = _store()
+        self.ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        self.index = index
+        self.check = _checks - 1 if index < 0 else _checks
+        self.suspects: set[tuple[int, str]] = set()
+
+    def look(self) -> None:
+        """Raise the posted verdict, or post one if a peer finished with fewer collectives or waits in another."""
+        store = self.store
+        if store is None:
+            return
+        verdict_key = f"{_VERDICT}{self.check}"
+        if store.check([verdict_key]):
+            raise DivergenceError(store.get(verdict_key).decode())
+        if self.index < 0:
+            return
+        me, mine = dist.get_rank(), _schedule[self.index]
+        _publish_wait(store, self.index, mine)
+        found: set[tuple[int, str]] = set()
+        for rank in self.ranks:
+            if rank == me:
+                continue
+            done_key, waiting_key = f"{_AT_CHECK}{self.check}/{rank}", f"{_WAITING}{self.check}/{rank}"
+            if store.check([done_key]) and int(store.get(done_key).decode().split()[0]) <= self.index:
+                count = int(store.get(done_key).decode().split()[0])
+                self._raise(verdict_key, f"rank {rank} finished its backward after {count} collectives, while rank "
+                                         f"{me} waits in #{self.index + 1}, {mine}")
+            if store.check([waiting_key]):
+                index, entry = store.get(waiting_key).decode().split(" ", 1)
+                if (int(index), entry) != (self.index, mine):
+                    found.add((rank, f"#{int(index) + 1}, {entry}"))
+        # A peer's wait may have just ended (its key not yet removed): believe what two looks agree on.
+        agreed = found & self.suspects
+        self.suspects = found
+        if agreed:
+            rank, theirs = min(agreed)
+            self._raise(verdict_key, f"rank {me} waits in collective #{self.index + 1}, {mine}, while rank {rank} "
+                                     f"waits in {theirs}")
+
+    def _raise(self, verdict_key: str, what: str) -> None:
+        message = (
+            f"fullshard: ranks ran different code in this iteration, so their collectives no longer match: {what}. "
+            f"Run the same modules the same number of times on every rank (conditional compute must be decided "
+            f"identically on all ranks, e.g. from a broadcast value)."
+        )
+        assert self.store is not None
+        self.store.set(verdict_key, message)
+        raise DivergenceError(message)
+
+
+
+def _posted_verdict(index: int) -> str | None:
+    store = _store()
+    key = f"{_VERDICT}{_checks - 1 if index < 0 else _checks}"
+    try:
+        return store.get(key).decode() if store is not None and store.check([key]) else None
+    except Exception:  # the store is gone
+        return None
+
+
+def _publish_wait(store: Any, index: int, collective: str) -> None:
+    global _wait_published
+    _wait_published = True
+    store.set(f"{_WAITING}{_checks}/{dist.get_rank()}", f"{index} {collective}")
+
+
+def _unpublish_wait() -> None:
+    global _wait_published
+    store = _store() if _wait_published else None
+    _wait_published = False
+    if store is None:
+        return
+    try:
+        store.delete_key(f"{_WAITING}{_checks}/{dist.get_rank()}")
+    except Exception:  # the store is gone: the job is ending
+        pass
 
 
 def _store() -> Any:
@@ -90,10 +278,16 @@ def start_heartbeat() -> None:
 
     def beat() -> None:
         count = 0
+        published = None
         while True:
             count += 1
             try:
                 store.set(key, f"{count} {_issued}")
+                # A wait that ignores its timeout (gloo's reduce-scatter) cannot look itself: say where it is.
+                waiting = _waiting
+                if waiting is not None and waiting != published and time.monotonic() - waiting[2] > POLL_S:
+                    _publish_wait(store, waiting[0], waiting[1])
+                    published = waiting
             except Exception:  # the store is gone: the job is ending
                 return
             time.sleep(HEARTBEAT_S)
@@ -142,13 +336,37 @@ def diagnose(group: dist.ProcessGroup | None) -> tuple[list[int], list[int], str
     return dead, behind, "; ".join(parts)
 
 
-def wait(work: dist.Work, what: str, group: dist.ProcessGroup | None) -> None:
-    """``work.wait()`` bounded by the collective timeout; failures become ``RankFailureError`` naming the rank."""
+def wait(work: dist.Work, what: str, group: dist.ProcessGroup | None, index: int) -> None:
+    """``work.wait()`` bounded by the collective timeout; failures become ``RankFailureError`` naming the rank,
+    and collectives that do not match across ranks ``DivergenceError`` (see the Notes). ``index``: the
+    collective's place in this iteration's schedule (-1: the divergence check)."""
+    global _waiting
+    deadline = time.monotonic() + _timeout_s
+    watch: _Watch | None = None
+    if index >= 0 and index < len(_schedule):
+        _waiting = (index, _schedule[index], time.monotonic())
     try:
-        work.wait(timeout=datetime.timedelta(seconds=_timeout_s))
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                work.wait(timeout=datetime.timedelta(seconds=max(0.001, min(POLL_S, left))))
+                return
+            except RuntimeError as err:
+                if "timed out" not in str(err).lower() or left <= POLL_S:
+                    raise
+            watch = watch or _Watch(group, index)
+            watch.look()
     except RuntimeError as err:
+        if isinstance(err, DivergenceError):
+            raise
+        verdict = _posted_verdict(index)
+        if verdict is not None:  # the peer that found the divergence raised it and left
+            raise DivergenceError(verdict) from err
         timed_out = "timed out" in str(err).lower()
         dead, behind, sentence = diagnose(group)
         cause = f"did not complete within {_timeout_s:g} s" if timed_out else "failed"
         raise RankFailureError(f"fullshard: {what} on rank {dist.get_rank()} {cause}: {sentence}",
                                tuple(dead or behind)) from err
+    finally:
+        _waiting = None
+        _unpublish_wait()

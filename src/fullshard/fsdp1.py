@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from fullshard.errors import expect_module
 from fullshard.runtime import TrainingState, states_in
 
 # ---- summon_full_params --------------------------------------------------------------------------
@@ -37,6 +38,7 @@ def summon_full_params(
 
     Collective: every rank must enter it. Not allowed inside forward or backward.
     """
+    expect_module("summon_full_params", model)
     if rank0_only and writeback:
         raise ValueError(
             "summon_full_params: rank0_only=True and writeback=True cannot be combined (ranks other than 0 "
@@ -69,6 +71,7 @@ def no_sync(model: nn.Module) -> Iterator[None]:
     The same as ``set_requires_gradient_sync(False)`` for the duration; the
     first backward after the context reduces everything accumulated.
     """
+    expect_module("no_sync", model)
     settings = [s.group.reducer.settings for s in states_in(model) if s.group is not None]
     saved = [entry.requires_gradient_sync for entry in settings]
     for entry in settings:
@@ -101,6 +104,13 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     ranks the gradients are sharded over, and the scaling is one foreach multiply
     per device.
     """
+    expect_module("clip_grad_norm_", model)
+    if isinstance(max_norm, bool) or not isinstance(max_norm, int | float | torch.Tensor):
+        raise TypeError(f"clip_grad_norm_: max_norm must be a number, got {type(max_norm).__name__}")
+    if not float(max_norm) >= 0:
+        raise ValueError(f"clip_grad_norm_: max_norm must be at least 0 (inf: measure only), got {float(max_norm)}")
+    if isinstance(norm_type, bool) or not isinstance(norm_type, int | float | str) or str(norm_type) == "nan":
+        raise TypeError(f"clip_grad_norm_: norm_type must be a number or 'inf', got {norm_type!r}")
     norm_type = float(norm_type)
     infinite = math.isinf(norm_type)
     buckets: dict[dist.ProcessGroup | None, list[torch.Tensor]] = {}
@@ -150,6 +160,7 @@ def nonfinite_gradients(model: nn.Module) -> list[str]:
     Collective: every rank must call it. Cheap to call only when needed, e.g. when the total norm returned
     by :func:`clip_grad_norm_` is not finite (that norm is identical on every rank, so all ranks agree on it).
     """
+    expect_module("nonfinite_gradients", model)
     named = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None]
     flags = torch.tensor(
         [0.0 if bool(torch.isfinite(g._local_tensor if isinstance(g, DTensor) else g).all()) else 1.0 for _, g in named],
@@ -214,6 +225,9 @@ def register_comm_hook(model: nn.Module, state: Any, hook: Callable[[Any, torch.
     FSDP1's hooks (``torch.distributed.algorithms._comm_hooks.default_hooks``)
     follow the same convention, so they work too. Not supported with HSDP.
     """
+    expect_module("register_comm_hook", model)
+    if not callable(hook):
+        raise TypeError(f"register_comm_hook: hook must be callable, got {type(hook).__name__}")
     for group in (s.group for s in states_in(model) if s.group is not None):
         if group.mesh_info.replicate_group is not None:
             raise NotImplementedError("register_comm_hook is not supported with HSDP (2-D meshes)")

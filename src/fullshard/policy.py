@@ -58,4 +58,7 @@ def validate_mp_policy(policy: object) -> MixedPrecisionPolicy:
 def validate_offload_policy(policy: object) -> OffloadPolicy:
     if not isinstance(policy, OffloadPolicy):
         raise TypeError(f"offload_policy must be an OffloadPolicy, got {type(policy).__name__}")
+    pin_memory = getattr(policy, "pin_memory", False)
+    if not isinstance(pin_memory, bool):
+        raise TypeError(f"CPUOffloadPolicy.pin_memory must be a bool, got {type(pin_memory).__name__}")
     return policy

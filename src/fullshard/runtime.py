@@ -125,6 +125,9 @@ class IterationContext:
         self.forward_prefetch_depth = 1
         self.backward_prefetch_depth = 1
         self.backward_prefetch_mode = BackwardPrefetchMode.PRE
+        # Where the end of backward compares the ranks' collectives ([Note: Divergence check] in failures.py).
+        infos = [state.group.mesh_info for state in states if state.group is not None]
+        self.check_group = failures.check_group(infos[0].shard_group or infos[0].replicate_group) if infos else None
 
     def start_forward(self) -> None:
         """The root's pre-forward: a new iteration's order begins."""
@@ -194,6 +197,9 @@ class IterationContext:
             self.streams.host_wait(self.streams.h2d_done)  # the optimizer may write the pinned shards next
             self.streams.shards_written()
             self.end_of_backward_queued = False
+            if self.check_group is not None:
+                failures.check_schedule(self.check_group, self.streams.device if self.streams.on_accelerator
+                                        else torch.device("cpu"))
 
     def drain_reduces(self) -> None:
         """Complete every reduction in flight: first let every reduce-scatter finish (CPU: issues the
@@ -346,6 +352,7 @@ class HookState:
         if self.is_root:
             if ctx.needs_recovery():
                 ctx.recover()
+            failures.new_iteration()
             ctx.start_forward()
             self.streams.shards_written(ctx.post_optim_event)  # the optimizer step (or the given event) came last
             ctx.post_optim_event = None

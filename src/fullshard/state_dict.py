@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.fsdp import OptimStateKeyType
 from torch.distributed.tensor import DTensor
 
+from fullshard.errors import expect_module
 from fullshard.group import ParamGroup
 from fullshard.param import ShardedParam, full_tensor
 from fullshard.runtime import states_in
@@ -106,6 +107,7 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True, cpu_offload: b
 
     Collective: every rank must call it (each parameter is all-gathered in turn).
     """
+    expect_module("full_state_dict", model)
     keep = not rank0_only or dist.get_rank() == 0
     out: dict[str, torch.Tensor] = {}
     for key, value in model.state_dict().items():
@@ -130,6 +132,7 @@ def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, *, ran
     other tensors (e.g. a 0-dim ``step``) and non-tensor states are carried as
     they are. ``{}`` on ranks other than 0 when ``rank0_only``. Collective.
     """
+    expect_module("full_optim_state_dict", model)
     names = _param_names(model)
     params = _optim_params(optim)
     osd = optim.state_dict()
@@ -156,6 +159,7 @@ def load_full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, f
     ``full_osd`` may be given on every rank, or on rank 0 only (``None`` elsewhere): rank 0 then
     broadcasts the structure once and each full tensor in turn. Collective.
     """
+    expect_module("load_full_optim_state_dict", model)
     names = _param_names(model)
     params = _optim_params(optim)
     by_name = {names[p]: p for p in params}

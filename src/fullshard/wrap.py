@@ -30,6 +30,7 @@ from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision,
 from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
 
 from fullshard.api import fully_shard, original_class
+from fullshard.errors import expect_module
 from fullshard.mesh import DataParallelMeshDims, default_device_type
 from fullshard.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from fullshard.runtime import BackwardPrefetchMode, state_of
@@ -46,7 +47,11 @@ class ModuleWrapPolicy:
     """Shard every module whose class is one of ``module_classes`` (e.g. the transformer block)."""
 
     def __init__(self, module_classes: Iterable[type[nn.Module]]) -> None:
+        if isinstance(module_classes, type) or not isinstance(module_classes, Iterable):
+            raise TypeError(f"ModuleWrapPolicy expects a set of module classes, got {module_classes!r}")
         self.module_classes = tuple(module_classes)
+        if not all(isinstance(c, type) and issubclass(c, nn.Module) for c in self.module_classes):
+            raise TypeError(f"ModuleWrapPolicy expects nn.Module subclasses, got {self.module_classes}")
 
     def __call__(self, module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
         return True if recurse else isinstance(module, self.module_classes)
@@ -192,6 +197,7 @@ def shard_model(
     group before this one computes. ``limit_all_gathers=False`` lets prefetching
     run further ahead (every remaining group), trading memory for overlap.
     """
+    expect_module("shard_model", model)
     if not isinstance(sharding_strategy, ShardingStrategy):
         raise TypeError(f"sharding_strategy must be a fullshard.ShardingStrategy, got {sharding_strategy!r}")
     if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):

@@ -103,9 +103,18 @@ class TrainConfig:
             raise UserError(f"--max-restarts must be at least 0, got {self.max_restarts}")
         if not 0.0 <= self.ema < 1.0:
             raise UserError(f"--ema must be a decay in [0, 1) (0: off), got {self.ema}")
+        if self.device not in ("cpu", "cuda"):
+            raise UserError(f"--device must be cpu or cuda, got {self.device!r}")
         for name in ("nproc", "batch_size", "grad_accum", "steps", "eval_every", "eval_batches", "checkpoint_every", "replicate"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        for name in ("warmup", "stop_at", "weight_decay", "clip"):
+            if not getattr(self, name) >= 0:
+                raise UserError(f"--{name.replace('_', '-')} must be at least 0, got {getattr(self, name)}")
+        if not (0 < self.lr < math.inf):
+            raise UserError(f"--lr must be a positive number, got {self.lr}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise UserError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
 
     def strategy(self) -> ShardingStrategy:
         """The FSDP1 strategy in effect: ``--replicate N`` makes a sharding strategy hybrid."""

@@ -1,0 +1,124 @@
+"""A rank that dies or stops taking part: the others fail within a bounded time, naming it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import fullshard
+from fullshard import RankFailureError, fully_shard
+from fullshard.cli import launch
+from tests.harness import run_ranks
+from tests.models import MLP, mse_loss
+from tests.parity import regression_batch
+
+
+def _step(model: torch.nn.Module, seed: int) -> None:
+    mse_loss(model, regression_batch(torch.Generator().manual_seed(seed))).backward()
+
+
+def _worker(rank: int, world_size: int, out: str, mode: str) -> None:
+    fullshard.set_collective_timeout(3)
+    torch.manual_seed(0)
+    model = MLP()
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    _step(model, 0)  # every rank took part once: heartbeats are running
+    time.sleep(1.5)
+    if rank == 1:
+        if mode == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(120)  # alive, but not taking part
+    start = time.monotonic()
+    try:
+        _step(model, 1)
+    except RankFailureError as err:
+        Path(out, f"rank{rank}.json").write_text(json.dumps(
+            {"message": str(err), "ranks": list(err.ranks), "seconds": time.monotonic() - start}))
+        raise
+
+
+@pytest.mark.parametrize("mode", ["kill", "stuck"])
+def test_survivors_name_the_failed_rank(tmp_path: Path, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(launch, "GRACE_S", 8.0)  # the survivors take about 3 s to name the rank
+    start = time.monotonic()
+    with pytest.raises(launch.RankFailed) as info:
+        launch.run(_worker, 3, str(tmp_path), mode)
+    took = time.monotonic() - start
+    report = json.loads((tmp_path / "rank0.json").read_text())
+    assert report["ranks"] == [1]
+    if mode == "kill":
+        assert str(info.value) == "rank 1 was killed by SIGKILL"
+        assert "rank 1 stopped (died or was killed)" in report["message"]
+        assert report["seconds"] < 10
+    else:
+        # Rank 0 gives up first (rank 2 waits on rank 0 in the next collective, or times out as well).
+        assert info.value.rank in (0, 2)
+        assert "did not complete within 3 s: rank 1 issued fewer fullshard collectives than rank 0" in report["message"]
+        assert 3 <= report["seconds"] < 15
+    assert took < 60, f"the group took {took:.0f} s to come down"
+
+
+def test_collective_timeout_is_settable() -> None:
+    before = fullshard.collective_timeout()
+    assert before == 300
+    fullshard.set_collective_timeout(12.5)
+    try:
+        assert fullshard.collective_timeout() == 12.5
+    finally:
+        fullshard.set_collective_timeout(before)
+
+
+class Blocks(torch.nn.Module):
+    """Three same-shaped blocks: mismatched collectives between them have equal sizes (they would mix silently)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x: torch.Tensor, order: list[int]) -> torch.Tensor:
+        for i in order:
+            x = torch.tanh(self.blocks[i](x))
+        return x
+
+
+ORDERS = {  # per rank: the blocks it runs
+    "twice": [[0, 1, 1, 2], [0, 1, 2]],
+    "skip": [[0, 1, 2], [0, 2]],
+    "reordered": [[0, 1, 2], [0, 2, 1]],
+}
+
+
+def _diverge(rank: int, world_size: int, case: str) -> tuple[str, str, float]:
+    fullshard.set_collective_timeout(30)
+    torch.manual_seed(0)
+    model = Blocks()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    x = torch.randn(4, 8)
+    model(x, [0, 1, 2]).sum().backward()  # a matching iteration first
+    start = time.monotonic()
+    try:
+        model(x, ORDERS[case][rank]).sum().backward()
+    except fullshard.DivergenceError as err:
+        return type(err).__name__, str(err), time.monotonic() - start
+    return "no error", "", time.monotonic() - start
+
+
+@pytest.mark.parametrize("case", sorted(ORDERS))
+def test_diverged_ranks_raise_the_same_error(case: str) -> None:
+    results = run_ranks(2, _diverge, case, timeout=90)
+    assert [kind for kind, _, _ in results] == ["DivergenceError", "DivergenceError"], results
+    assert results[0][1] == results[1][1]
+    message = results[0][1]
+    assert "ranks ran different code in this iteration" in message
+    assert "of group 'blocks." in message
+    assert all(seconds < 10 for _, _, seconds in results), results
