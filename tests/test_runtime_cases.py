@@ -140,7 +140,8 @@ def _called_twice_reduces_once(rank: int, world_size: int) -> None:
     # Backward keeps the block unsharded from its second call's backward to its first's (one all-gather),
     # then one reduce-scatter reduces the gradients of both calls.
     backward = rec.events[rec.events.index(("fwd", "block"), 4) + 1 :]
-    assert backward == [("ag", "block"), ("rs", "36"), ("rs", "72")], rec.events
+    # Reduce-scatter sizes: the gradients (36 and 72 elements) and one flag column per parameter and rank.
+    assert backward == [("ag", "block"), ("rs", str(36 + 2 * 2)), ("rs", str(72 + 2 * 4))], rec.events
     rec.close()
 
 
@@ -367,3 +368,45 @@ def shard_layers_on(model: nn.Module, mesh: Any) -> None:
 
 def test_setters_are_independent() -> None:
     run_ranks(2, _setters)
+
+
+# ---- parameters used on some ranks only ---------------------------------------------------------------
+
+
+class Experts(nn.Module):
+    """A router-free mixture: each batch names the expert it uses; expert 2 is never used."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(7, 8)
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        return self.head(torch.relu(self.experts[expert](torch.relu(self.stem(x)))))
+
+
+def expert_batch(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, int]:
+    x, y = regression_batch(gen)
+    return x, y, int(torch.randint(0, 2, (1,), generator=gen))
+
+
+def expert_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor, int]) -> torch.Tensor:
+    x, y, expert = batch
+    return nn.functional.mse_loss(model(x, expert), y)
+
+
+def _experts_parity(rank: int, world_size: int) -> None:
+    batches = random_batches(6, world_size, expert_batch)
+    assert any(len({b[2] for b in step}) > 1 for step in batches), "no step where the ranks chose different experts"
+
+    def shard(model: nn.Module) -> None:  # the experts share one group with the stem and the head
+        fully_shard(model)
+
+    trace, _ = run_parity(rank, world_size, Experts, shard, expert_batch, expert_loss, steps=6)
+    assert all(g["experts.2.weight"] is None for g in trace.grads), "an expert no rank used got a gradient"
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_parameters_used_on_some_ranks_get_the_average(world_size: int) -> None:
+    run_ranks(world_size, _experts_parity)

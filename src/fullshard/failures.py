@@ -33,12 +33,13 @@ the same size (same-shaped blocks), they succeed and silently mix the data of
 different parameters. To turn that into an error, every rank keeps a CRC-32 of
 the collectives it issued in the current iteration (kind, group, element
 count) and, at the end of each backward, the ranks of the root's shard group
-all-gather (count, CRC) on a process group of their own (so the check never
-pairs with a collective a diverged rank still waits in): one 16-byte
-collective per backward, a host sync on accelerators. If they differ, the
-ranks exchange their lists and every rank raises the same ``DivergenceError``
-naming the first collective that differs, before the optimizer step can use
-the mixed gradients.
+all-gather (count, CRC) on a gloo process group of their own: it never pairs
+with a collective a diverged rank still waits in, and in NCCL jobs it needs no
+device sync and completes even when mismatched NCCL collectives hang on the
+device. One 16-byte collective per backward. If they differ, the ranks
+exchange their lists and every rank raises the same ``DivergenceError`` naming
+the first collective that differs, before the optimizer step can use the mixed
+gradients.
 
 A rank that issued *more* collectives than a peer waits in one the peer never
 issues. Before its check, each rank posts its count in the store; a rank whose
@@ -46,8 +47,9 @@ host wait lasts longer than ``POLL_S`` looks there between slices of the wait,
 and when a peer reached the check with fewer collectives it posts the verdict
 and raises ``DivergenceError``; the peer, waiting in the check, reads the
 verdict and raises the same error. The list restarts at each root forward;
-forward-only passes are not checked. On accelerators, waits do not block the
-host: a count difference there ends with the process group's timeout.
+forward-only passes are not checked. On accelerators, host waits do not block
+(the collectives are stream-ordered), so every rank reaches the check and a
+count difference is found there.
 """
 
 from __future__ import annotations
@@ -122,19 +124,21 @@ def new_iteration() -> None:
 
 
 def check_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
-    """A process group with the ranks of ``group``, for the divergence check alone (created once per rank set).
+    """A gloo process group with the ranks of ``group``, for the divergence check alone (one per rank set).
 
+    gloo also under NCCL: the check compares what the host issued, so it needs no device work and no
+    device sync, and it completes even when mismatched NCCL collectives hang on the device.
     Collective over the ranks of ``group`` (at lazy init, which every rank runs at its first forward).
     """
     if group is None or dist.get_backend(group) == "fake" or dist.get_world_size(group) == 1:
         return None
     ranks = tuple(dist.get_process_group_ranks(group))
     if ranks not in _check_groups:
-        _check_groups[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+        _check_groups[ranks] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
     return _check_groups[ranks]
 
 
-def check_schedule(group: dist.ProcessGroup, device: torch.device) -> None:
+def check_schedule(group: dist.ProcessGroup) -> None:
     """Collective over ``group`` (from ``check_group``): raise ``DivergenceError`` on every rank if this
     iteration's collectives differ between ranks."""
     global _checks
@@ -145,13 +149,9 @@ def check_schedule(group: dist.ProcessGroup, device: torch.device) -> None:
     if store is not None:
         store.set(f"{_AT_CHECK}{check}/{dist.get_rank()}", f"{len(entries)} {crc}")
     world_size = dist.get_world_size(group)
-    mine = torch.tensor([len(entries), crc], dtype=torch.int64, device=device)
-    every = torch.empty(2 * world_size, dtype=torch.int64, device=device)
-    work = dist.all_gather_into_tensor(every, mine, group=group, async_op=True)
-    if device.type == "cpu":
-        wait(work, "the divergence check", group, index=-1)
-    else:
-        work.wait()
+    mine = torch.tensor([len(entries), crc], dtype=torch.int64)
+    every = torch.empty(2 * world_size, dtype=torch.int64)
+    wait(dist.all_gather_into_tensor(every, mine, group=group, async_op=True), "the divergence check", group, index=-1)
     values = every.view(world_size, 2).tolist()
     if all(v == values[0] for v in values):
         return
@@ -227,7 +227,6 @@ class _Watch:
         assert self.store is not None
         self.store.set(verdict_key, message)
         raise DivergenceError(message)
-
 
 
 def _posted_verdict(index: int) -> str | None:

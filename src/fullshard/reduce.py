@@ -24,6 +24,18 @@ the HSDP all-reduce, waited for at the end of backward.
 HSDP with ``requires_all_reduce=False`` keeps the reduce-scatter's result as a
 per-replica partial sum instead; the next reduction that all-reduces adds it
 first, also for parameters that got no gradient in that backward.
+
+Parameters used on some ranks only (conditional compute, experts): every rank
+packs every trainable parameter of the group, zeros where it has no gradient,
+so the reduce-scatters of all ranks have the same size, and the gradient is
+the average over all ranks with the others contributing zero (what the
+unsharded model would compute on the whole batch). Behind the gradients each
+row carries one flag column per parameter (1 where this rank had a gradient);
+summed by the reduction, they tell a rank that had no gradient whether any
+rank had one: if none had, the parameter keeps ``grad`` None (as it would
+unsharded), unless ``reduce_unused_params`` asks for zeros. Only such a rank
+reads the flags (a device sync on accelerators); the others pay one flag
+column per parameter in the collective.
 """
 
 from __future__ import annotations
@@ -39,7 +51,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from fullshard.collectives import PendingCollective, all_reduce, profiled, reduce_scatter, run_hook_on
-from fullshard.layout import GroupLayout
+from fullshard.layout import GroupLayout, ParamLayout
 from fullshard.param import ShardedParam, rank_axis_view
 
 if TYPE_CHECKING:
@@ -100,6 +112,7 @@ class PendingReduce:
     done: Any = None  # event after the last post-reduce operation (accelerators)
     host_adds: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # offload: (grad, addend)
     hooks_due: list[ShardedParam] = field(default_factory=list)  # post-accumulate hooks to fire at finish
+    missing: frozenset[int] = frozenset()  # positions in `params` that this rank packed as zeros
 
     def release_input(self) -> None:
         """Let the reduce-scatter input go: the compute stream waits for the reduce-scatter (CPU: advance past it)."""
@@ -148,7 +161,8 @@ class GradReducer:
     def __init__(self, group: ParamGroup) -> None:
         self.group = group
         self.settings = ReduceSettings()
-        self._layouts: dict[tuple[bool, ...], GroupLayout] = {}
+        self._layouts: dict[tuple[bool, ...], GroupLayout] = {}  # by packed parameters; the flag columns last
+        self._flags: dict[tuple[Any, ...], torch.Tensor] = {}  # flag rows, by (with gradient..., dtype)
         self._partial_sums: dict[ShardedParam, torch.Tensor] = {}  # HSDP: reduce-scattered, not yet all-reduced
         shard_group = group.mesh_info.shard_group
         self._nccl = shard_group is not None and dist.get_backend(shard_group) == "nccl"
@@ -223,17 +237,32 @@ class GradReducer:
         with_grad = tuple(g is not None for g in taken)
         if not any(with_grad):
             return None
-        layout = self._layouts.get(with_grad)
+        # Every trainable parameter, zeros where this rank has no gradient, and the flag columns (see the
+        # Note); FSDP1 communication hooks get the gradients present only, as in FSDP1.
+        flagged = settings.comm_hook is None
+        packed = tuple(g is not None or (flagged and p.requires_grad) for p, g in zip(group.params, taken))
+        layout = self._layouts.get(packed)
         if layout is None:
-            layout = self._layouts[with_grad] = group.layout.subset(with_grad)
-        params = [p for p, keep in zip(group.params, with_grad) if keep]
+            layout = group.layout.subset(packed)
+            if flagged:
+                flags = ParamLayout((layout.world_size, len(layout.params)), 0, layout.world_size)
+                layout = GroupLayout((*layout.params, flags))
+            self._layouts[packed] = layout
+        params = [p for p, keep in zip(group.params, packed) if keep]
+        kept = [g for g, keep in zip(taken, packed) if keep]
+        missing = frozenset(i for i, g in enumerate(kept) if g is None)
+        dtype = next(g for g in kept if g is not None).dtype  # packed in one kernel: one dtype
+        grads = [g if g is not None else torch.zeros(p.layout.shape, dtype=dtype, device=group.device)
+                 for p, g in zip(params, kept)]
+        if flagged:
+            grads.append(self._flag_rows(tuple(g is not None for g in kept), dtype, layout.world_size))
         op, before, _ = self._reduce_op_and_factors()
         inp = torch.empty(layout.world_size, layout.shard_numel, dtype=group.reduce_dtype, device=group.device)
         with profiled("reduce_scatter_copy_in", group.label):
-            pack_rank_major(layout, [g for g in taken if g is not None], inp)
+            pack_rank_major(layout, grads, inp)
             if before != 1.0:
                 inp.div_(before)
-        del taken  # the unsharded gradients die here, right after the copy-in
+        del taken, kept, grads  # the unsharded gradients die here, right after the copy-in
         if settings.comm_hook is not None:
             hook_state, hook = settings.comm_hook
             output = torch.empty(layout.shard_numel, dtype=group.reduce_dtype, device=group.device)
@@ -246,11 +275,20 @@ class GradReducer:
                 collective = reduce_scatter(
                     inp, settings.reduce_scatter_group or group.mesh_info.shard_group, streams, group.label, op
                 )
-        pending = PendingReduce(self, params, layout, collective)
+        pending = PendingReduce(self, params, layout, collective, missing=missing)
         if streams.on_accelerator:
             while pending.stage is not ReduceStage.DELIVERED:  # queue every stage now, on the side streams
                 self.advance(pending)
         return pending
+
+    def _flag_rows(self, with_grad: tuple[bool, ...], dtype: torch.dtype, world_size: int) -> torch.Tensor:
+        """``(world_size, len(with_grad))``: every row 1 where this rank has a gradient, else 0 (made once)."""
+        key = (*with_grad, dtype)
+        rows = self._flags.get(key)
+        if rows is None:
+            row = torch.tensor([float(f) for f in with_grad], dtype=dtype)
+            rows = self._flags[key] = row.repeat(world_size, 1).to(self.group.device)
+        return rows
 
     def advance(self, pending: PendingReduce) -> None:
         """Take ``pending`` one stage further (on CPU this waits for the collective in flight)."""
@@ -311,7 +349,14 @@ class GradReducer:
             flat_grad.copy_(reduced, non_blocking=True)
             pending.held.append(flat_grad)
         host_pending = to_host and streams.on_accelerator  # the copy is complete only once `done` has passed
-        for p, chunk in zip(pending.params, group.split(flat_grad, pending.layout)):
+        delivered = pending.params
+        if pending.missing and not settings.reduce_unused_params:
+            # Zeros this rank packed: a gradient only where some rank had one (flags summed, see the Note).
+            counts = group.split(reduced, pending.layout)[-1].tolist()
+            delivered = [p for i, p in enumerate(pending.params) if i not in pending.missing or counts[i] > 0]
+        chunks = dict(zip(pending.params, group.split(flat_grad, pending.layout)))
+        for p in delivered:
+            chunk = chunks[p]
             grad = p.sharded.grad
             if grad is None:
                 p.sharded.grad = p.as_dtensor(chunk)
@@ -324,9 +369,9 @@ class GradReducer:
         pending.done = streams.record()
         pending.stage = ReduceStage.DELIVERED
         if host_pending:
-            pending.hooks_due = list(pending.params)
+            pending.hooks_due = list(delivered)
         else:
-            _fire_post_accumulate_hooks(pending.params)
+            _fire_post_accumulate_hooks(delivered)
 
     def discard(self) -> None:
         """Drop gradients not yet reduced (after a failed iteration)."""

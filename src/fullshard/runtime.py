@@ -198,8 +198,7 @@ class IterationContext:
             self.streams.shards_written()
             self.end_of_backward_queued = False
             if self.check_group is not None:
-                failures.check_schedule(self.check_group, self.streams.device if self.streams.on_accelerator
-                                        else torch.device("cpu"))
+                failures.check_schedule(self.check_group)
 
     def drain_reduces(self) -> None:
         """Complete every reduction in flight: first let every reduce-scatter finish (CPU: issues the
