@@ -218,6 +218,22 @@ def test_two_node_torchrun_on_localhost(tmp_path: Path, corpus: Path) -> None:
     assert sorted(losses(tmp_path)) == [1, 2, 3]
 
 
+def test_torchrun_max_restarts_resumes_by_itself(tmp_path: Path, corpus: Path, uninterrupted: Path) -> None:
+    """torchrun restarts the workers after rank 1 is killed at step 5; they resume from step 3's checkpoint."""
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+         "-m", "fullshard", "train", "--data", str(corpus), "--out", str(tmp_path), "--steps", "6",
+         "--checkpoint-every", "3", *TINY],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "GLOO_SOCKET_IFNAME": "lo", "FULLSHARD_FAULT": "kill:1:5"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "failed (exitcode: -9) local_rank: 1" in done.stderr  # torchrun saw the kill and restarted
+    resumed, whole = losses(tmp_path), losses(uninterrupted)
+    assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
+    torch.testing.assert_close([resumed[s] for s in range(1, 7)], [whole[s] for s in range(1, 7)], rtol=1e-5, atol=1e-5)
+
+
 def test_hf_model(tmp_path: Path, corpus: Path) -> None:
     pytest.importorskip("transformers")
     done = fullshard("train", "--hf-model", "llama", "--data", str(corpus), "--out", str(tmp_path), "--steps", "3", *TINY)

@@ -122,3 +122,41 @@ def test_diverged_ranks_raise_the_same_error(case: str) -> None:
     assert "ranks ran different code in this iteration" in message
     assert "of group 'blocks." in message
     assert all(seconds < 10 for _, _, seconds in results), results
+
+
+class Uneven(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 8, bias=False)
+
+    def forward(self, x: torch.Tensor, a_first: bool) -> torch.Tensor:
+        return self.b(self.a(x)) if a_first else self.a(self.b(x))
+
+
+def _mismatched_sizes(rank: int, world_size: int, out: str) -> None:
+    fullshard.set_collective_timeout(20)
+    torch.manual_seed(0)
+    model = Uneven()
+    fully_shard(model.a)
+    fully_shard(model.b)
+    fully_shard(model)
+    model(torch.randn(2, 8), True).sum().backward()
+    time.sleep(1.5)  # heartbeats are running
+    try:
+        model(torch.randn(2, 8), rank == 0).sum().backward()  # rank 1 all-gathers b where rank 0 gathers a
+    except RankFailureError as err:
+        Path(out, f"rank{rank}.json").write_text(json.dumps({"message": str(err), "ranks": list(err.ranks)}))
+        raise
+
+
+def test_collectives_of_different_sizes_name_the_aborted_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """gloo aborts the rank that receives a message of the wrong size; the other names it instead of hanging."""
+    monkeypatch.setattr(launch, "GRACE_S", 8.0)
+    with pytest.raises(launch.RankFailed) as info:
+        launch.run(_mismatched_sizes, 2, str(tmp_path))
+    aborted = info.value.rank
+    assert str(info.value) == f"rank {aborted} was killed by SIGABRT"
+    report = json.loads((tmp_path / f"rank{1 - aborted}.json").read_text())
+    assert report["ranks"] == [aborted]
+    assert f"rank {aborted} stopped (died or was killed)" in report["message"]

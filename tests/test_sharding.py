@@ -109,8 +109,8 @@ def _comm_order(rank: int, world_size: int, blocks_reshard: bool) -> None:
         fully_shard(block, reshard_after_forward=blocks_reshard)
     fully_shard(model)
     rec = CommRecorder(model)
-    grad_numel = {  # reduce-scatter input numel of each group: padded parameters of the group
-        (name or "root"): str(state_of(m).group.layout.unsharded_numel)
+    grad_numel = {  # reduce-scatter input numel of each group: padded parameters and a flag column per parameter
+        (name or "root"): str(state_of(m).group.layout.unsharded_numel + world_size * len(state_of(m).group.params))
         for name, m in model.named_modules() if state_of(m) is not None
     }
     batches = random_batches(3, world_size, token_batch)

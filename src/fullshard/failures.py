@@ -33,7 +33,7 @@ the same size (same-shaped blocks), they succeed and silently mix the data of
 different parameters. To turn that into an error, every rank keeps a CRC-32 of
 the collectives it issued in the current iteration (kind, group, element
 count) and, at the end of each backward, the ranks of the root's shard group
-all-gather (count, CRC) on a gloo process group of their own: it never pairs
+all-gather (count, CRC) on a gloo backend of their own: it never pairs
 with a collective a diverged rank still waits in, and in NCCL jobs it needs no
 device sync and completes even when mismatched NCCL collectives hang on the
 device. One 16-byte collective per backward. If they differ, the ranks
@@ -55,9 +55,12 @@ count difference is found there.
 from __future__ import annotations
 
 import datetime
+import json
+import os
 import threading
 import time
 import zlib
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -65,12 +68,14 @@ import torch.distributed as dist
 
 HEARTBEAT_S = 1.0
 POLL_S = 1.0  # host waits longer than this look for failures between slices
-_KEY = "fullshard/heartbeat/"
-_AT_CHECK = "fullshard/at-check/"  # + "<check>/<rank>": "<count> <crc>", posted before each check
-_VERDICT = "fullshard/verdict/"  # + "<check>": the DivergenceError message
-_WAITING = "fullshard/waiting/"  # + "<check>/<rank>": "<index> <collective>" while a host wait is long
+# Store keys, per torchrun attempt (torchrun keeps its store across restarts).
+_PREFIX = f"fullshard/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+_KEY = _PREFIX + "heartbeat/"
+_AT_CHECK = _PREFIX + "at-check/"  # + "<check>/<rank>": "<count> <crc>", posted before each check
+_VERDICT = _PREFIX + "verdict/"  # + "<check>": the DivergenceError message
+_WAITING = _PREFIX + "waiting/"  # + "<check>/<rank>": "<index> <collective>" while a host wait is long
 _checks = 0  # divergence checks this process has started
-_check_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+_check_groups: dict[tuple[int, ...], CheckGroup] = {}
 _waiting: tuple[int, str, float] | None = None  # the host wait in progress: (index, collective, since)
 _wait_published = False  # ... and it is posted in the store (removed when it ends)
 _timeout_s = 300.0
@@ -123,41 +128,63 @@ def new_iteration() -> None:
     _schedule_crc = 0
 
 
-def check_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
-    """A gloo process group with the ranks of ``group``, for the divergence check alone (one per rank set).
+@dataclass(frozen=True)
+class CheckGroup:
+    """The ranks of a shard group and a gloo backend of their own for the divergence check."""
+
+    group: dist.ProcessGroup  # the shard group it mirrors (for diagnostics)
+    ranks: tuple[int, ...]
+    backend: Any  # ProcessGroupGloo
+
+
+def check_group(group: dist.ProcessGroup | None) -> CheckGroup | None:
+    """A gloo backend over the ranks of ``group`` for the divergence check alone (one per rank set).
 
     gloo also under NCCL: the check compares what the host issued, so it needs no device work and no
-    device sync, and it completes even when mismatched NCCL collectives hang on the device.
-    Collective over the ranks of ``group`` (at lazy init, which every rank runs at its first forward).
+    device sync, and it completes even when mismatched NCCL collectives hang on the device. Built on the
+    default store under a key of its own per restart (torchrun keeps its store across restarts, where
+    ``dist.new_group`` finds the previous attempt's addresses). Collective over the ranks of ``group``
+    (at lazy init, which every rank runs at its first forward).
     """
-    if group is None or dist.get_backend(group) == "fake" or dist.get_world_size(group) == 1:
+    store = _store()
+    if store is None or group is None or dist.get_backend(group) == "fake" or dist.get_world_size(group) == 1:
         return None
     ranks = tuple(dist.get_process_group_ranks(group))
     if ranks not in _check_groups:
-        _check_groups[ranks] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+        prefix = f"{_PREFIX}check-group/{zlib.crc32(str(ranks).encode()):08x}/"
+        backend = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), ranks.index(dist.get_rank()), len(ranks),
+                                        datetime.timedelta(seconds=_timeout_s))
+        _check_groups[ranks] = CheckGroup(group, ranks, backend)
     return _check_groups[ranks]
 
 
-def check_schedule(group: dist.ProcessGroup) -> None:
-    """Collective over ``group`` (from ``check_group``): raise ``DivergenceError`` on every rank if this
+def _all_gather(check: CheckGroup, values: torch.Tensor, what: str) -> torch.Tensor:
+    out = torch.empty(len(check.ranks) * values.numel(), dtype=values.dtype)
+    wait(check.backend._allgather_base(out, values), what, check.group, index=-1)
+    return out.view(len(check.ranks), -1)
+
+
+def check_schedule(check: CheckGroup) -> None:
+    """Collective over the check group's ranks: raise ``DivergenceError`` on every rank if this
     iteration's collectives differ between ranks."""
     global _checks
     entries, crc = list(_schedule), _schedule_crc
     new_iteration()
-    check, _checks = _checks, _checks + 1
+    number, _checks = _checks, _checks + 1
     store = _store()
     if store is not None:
-        store.set(f"{_AT_CHECK}{check}/{dist.get_rank()}", f"{len(entries)} {crc}")
-    world_size = dist.get_world_size(group)
-    mine = torch.tensor([len(entries), crc], dtype=torch.int64)
-    every = torch.empty(2 * world_size, dtype=torch.int64)
-    wait(dist.all_gather_into_tensor(every, mine, group=group, async_op=True), "the divergence check", group, index=-1)
-    values = every.view(world_size, 2).tolist()
+        store.set(f"{_AT_CHECK}{number}/{dist.get_rank()}", f"{len(entries)} {crc}")
+    values = _all_gather(check, torch.tensor([len(entries), crc], dtype=torch.int64), "the divergence check").tolist()
     if all(v == values[0] for v in values):
         return
-    schedules: list[Any] = [None] * world_size
-    dist.all_gather_object(schedules, entries, group=group)
-    raise DivergenceError(_difference(dist.get_process_group_ranks(group), schedules))
+    # They differ: exchange the lists (padded to the longest) so every rank words the same error.
+    data = torch.frombuffer(bytearray(json.dumps(entries).encode()), dtype=torch.uint8)
+    sizes = _all_gather(check, torch.tensor([data.numel()]), "the divergence check").view(-1).tolist()
+    padded = torch.zeros(max(sizes), dtype=torch.uint8)
+    padded[: data.numel()] = data
+    rows = _all_gather(check, padded, "the divergence check")
+    schedules = [json.loads(bytes(row[:n].tolist()).decode()) for row, n in zip(rows, sizes)]
+    raise DivergenceError(_difference(list(check.ranks), schedules))
 
 
 def _difference(ranks: list[int], schedules: list[list[str]]) -> str:
