@@ -284,7 +284,7 @@ def _unpublish_wait() -> None:
 
 
 def _store() -> Any:
-    if not dist.is_initialized() or dist.get_backend() == "fake":
+    if not dist.is_initialized() or dist.get_backend() in ("fake", "threaded"):  # test backends: no store to use
         return None
     try:
         return dist.distributed_c10d._get_default_store()
@@ -367,6 +367,9 @@ def wait(work: dist.Work, what: str, group: dist.ProcessGroup | None, index: int
     and collectives that do not match across ranks ``DivergenceError`` (see the Notes). ``index``: the
     collective's place in this iteration's schedule (-1: the divergence check)."""
     global _waiting
+    if dist.get_backend(group) != "gloo":  # other host-blocking backends (test ones) may not take a timeout
+        work.wait()
+        return
     deadline = time.monotonic() + _timeout_s
     watch: _Watch | None = None
     if index >= 0 and index < len(_schedule):

@@ -336,8 +336,10 @@ class GradReducer:
         _, _, after = self._reduce_op_and_factors()
         if after != 1.0:
             reduced.div_(after)
-        if settings.all_reduce_hook is not None:
-            streams.wait(run_hook_on(streams, settings.all_reduce_hook_stream, settings.all_reduce_hook, reduced))
+        if settings.all_reduce_hook is not None:  # on the gradients, without the flag columns
+            grads_numel = pending.layout.shard_offsets[-1] if len(pending.layout.params) > len(pending.params) else None
+            hooked = reduced if grads_numel is None else reduced.narrow(0, 0, grads_numel)
+            streams.wait(run_hook_on(streams, settings.all_reduce_hook_stream, settings.all_reduce_hook, hooked))
         orig_dtype = group.flat_shard.dtype
         to_host = group.shard_device != group.device
         if reduced.dtype == orig_dtype and not to_host:
