@@ -117,7 +117,17 @@ def _describe(rank: int, code: int | None, report: str | None) -> str:
 def _init_from_env(device_type: str) -> None:
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend)
+        return
+    # A restarted torchrun worker shares the agent's store with the attempts before it, whose process-group keys
+    # (peer addresses) are still there: a new group can read a dead peer's address and hang connecting to it.
+    # Every attempt gets keys of its own.
+    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    store = dist.PrefixStore(f"fullshard/attempt/{attempt}", agent)
+    dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
 
 
 def _teardown() -> None:
