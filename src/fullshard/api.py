@@ -19,8 +19,8 @@ from fullshard.collectives import CommStreams
 from fullshard.errors import AlreadyShardedError, UnsupportedError, UsageError, expect_bool, expect_positive
 from fullshard.group import ParamGroup, ShardedState
 from fullshard.layout import ParamLayout
-from fullshard.mesh import MeshInfo, mesh_device, post_forward_group, resolve_mesh
-from fullshard.param import ParamSite, ShardedParam, claimant_of
+from fullshard.mesh import MeshInfo, concatenate_meshes, mesh_device, post_forward_group, resolve_mesh
+from fullshard.param import ParamSite, ShardedParam, TensorParallel, claimant_of
 from fullshard.policy import (
     CPUOffloadPolicy,
     MixedPrecisionPolicy,
@@ -135,15 +135,16 @@ def fully_shard(
             sites[tied_source].extend(site for site in sp.sites if site not in sites[tied_source])
 
     params = list(sites)
-    _check_params([p for p in params if p not in ties], fqns, device)
+    _check_params([p for p in params if p not in ties], fqns, device, mesh_info)
     layouts = {p: _layout(p, fqns[p], shard_placement_fn, mesh_info) for p in params}
+    tp = {p: TensorParallel.of(cast(DTensor, p), mesh_info, layouts[p].shard_dim) for p in params if _is_tensor_parallel(p, ties)}
     leaving = _check_ties(members, below, layouts, mesh_info, fqns)
     streams = CommStreams(device)
     group = None
     for lower, taken in leaving.items():  # every check passed: only now change the groups below
         lower.remove(taken)
     if params:
-        sharded = [ShardedParam(fqns[p], sites[p], p, layouts[p], mesh_info) for p in params]
+        sharded = [ShardedParam(fqns[p], sites[p], p, layouts[p], mesh_info, tp.get(p)) for p in params]
         group = ParamGroup(
             sharded, params, mesh_info, device,
             mp_policy.param_dtype, mp_policy.reduce_dtype, streams,
@@ -293,13 +294,18 @@ def _check_ties(
     return leaving
 
 
-def _check_params(params: list[torch.Tensor], fqns: dict[torch.Tensor, str], device: torch.device) -> None:
+def _is_tensor_parallel(param: torch.Tensor, ties: dict[torch.Tensor, ShardedParam]) -> bool:
+    """A DTensor parameter the user brought (not the sharded parameter of a group below)."""
+    return isinstance(param, DTensor) and param not in ties
+
+
+def _check_params(
+    params: list[torch.Tensor], fqns: dict[torch.Tensor, str], device: torch.device, mesh_info: MeshInfo
+) -> None:
     for p in params:
         fqn = fqns[p]
         if isinstance(p, DTensor):
-            raise NotImplementedError(
-                f"parameter {fqn!r} is already a DTensor (tensor parallel); composing with it is not supported yet"
-            )
+            _check_tensor_parallel(p, fqn, mesh_info)
         if p.dim() == 0:
             raise ValueError(f"fully_shard doesn't support scalar parameters. Change {fqn} to a 1D tensor with numel equal to 1.")
         if not p.is_contiguous():
@@ -320,6 +326,20 @@ def _check_params(params: list[torch.Tensor], fqns: dict[torch.Tensor, str], dev
             f"parameters of one fully_shard group must share a dtype, got {listing}; "
             "shard modules of different dtypes in separate fully_shard calls"
         )
+
+
+def _check_tensor_parallel(param: DTensor, fqn: str, mesh_info: MeshInfo) -> None:
+    """A DTensor parameter must be tensor parallel: on a mesh of its own beside the data-parallel one."""
+    tp_mesh = param.device_mesh
+    if tp_mesh == mesh_info.mesh or set(tp_mesh.mesh_dim_names or ()) & set(mesh_info.mesh.mesh_dim_names or ()):
+        raise ValueError(
+            f"parameter {fqn!r} is already a DTensor on the mesh fully_shard shards over ({tp_mesh}); a DTensor "
+            "parameter must be tensor parallel, on other axes of the same mesh (e.g. mesh['tp'] beside mesh['dp'])"
+        )
+    bad = [pl for pl in param.placements if not (pl.is_shard() or pl.is_replicate())]
+    if bad:
+        raise ValueError(f"parameter {fqn!r} has placements {param.placements}; fully_shard takes Shard or Replicate ones")
+    concatenate_meshes(mesh_info.mesh, tp_mesh)  # raises unless both are named axes of one mesh
 
 
 def check_param_device(fqn: str, param_device: torch.device, mesh_dev: torch.device) -> None:
@@ -350,7 +370,8 @@ def _layout(
             )
     else:
         raise TypeError(f"shard_placement_fn must return a Shard or None, got {placement!r} for {fqn!r}")
-    layout = ParamLayout(tuple(param.shape), dim, mesh_info.shard_size)
+    shape = param.to_local().shape if isinstance(param, DTensor) else param.shape  # tensor parallel: its local piece
+    layout = ParamLayout(tuple(shape), dim, mesh_info.shard_size)
     if dim != 0 and not layout.is_even:
         raise UnsupportedError(
             f"FSDP does not support uneven sharding on dim {dim}: sharding {fqn!r} on dim {dim} needs its size "

@@ -11,7 +11,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from fullshard.errors import expect_module
 from fullshard.runtime import TrainingState, states_in
@@ -86,12 +87,14 @@ def no_sync(model: nn.Module) -> Iterator[None]:
 # ---- clip_grad_norm_ -----------------------------------------------------------------------------------
 
 
-def _shard_group(grad: DTensor) -> dist.ProcessGroup | None:
-    """The group over which ``grad``'s local pieces are disjoint (its Shard axis); None if fully replicated."""
-    axes = [i for i, placement in enumerate(grad.placements) if isinstance(placement, Shard)]
-    if len(axes) > 1:
-        raise NotImplementedError(f"clip_grad_norm_: gradients sharded over several mesh axes {grad.placements}")
-    return grad.device_mesh.get_group(axes[0]) if axes else None
+def _sharded_axes(grad: DTensor) -> tuple[int, ...]:
+    """Mesh axes over which ``grad``'s local pieces are disjoint (Shard, or the _StridedShard of FSDP + TP)."""
+    return tuple(axis for axis, placement in enumerate(grad.placements) if not placement.is_replicate())
+
+
+def _reduce_device(group: dist.ProcessGroup, device: torch.device) -> torch.device:
+    # NCCL reduces device tensors only (offloaded gradients live on CPU).
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else device
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -100,9 +103,9 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     Returns the total norm before clipping, as a 0-dim fp32 tensor, identical on
     every rank and equal to the unsharded model's. Parameters without a gradient
     (frozen ones) are skipped; replicated gradients are counted once. Norms are
-    taken with foreach kernels over the local shards, one all-reduce per group of
-    ranks the gradients are sharded over, and the scaling is one foreach multiply
-    per device.
+    taken with foreach kernels over the local shards, one all-reduce per mesh axis
+    the gradients are sharded over (FSDP + tensor parallel: the dp and the tp
+    axis), and the scaling is one foreach multiply per device.
     """
     expect_module("clip_grad_norm_", model)
     if isinstance(max_norm, bool) or not isinstance(max_norm, int | float | torch.Tensor):
@@ -113,32 +116,43 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
         raise TypeError(f"clip_grad_norm_: norm_type must be a number or 'inf', got {norm_type!r}")
     norm_type = float(norm_type)
     infinite = math.isinf(norm_type)
-    buckets: dict[dist.ProcessGroup | None, list[torch.Tensor]] = {}
-    groups: dict[tuple[int, Any], dist.ProcessGroup | None] = {}  # (mesh, placements) -> shard group
+    # Local pieces by (mesh, axes they are sharded over); plain gradients under (None, ()).
+    buckets: dict[tuple[DeviceMesh | None, tuple[int, ...]], list[torch.Tensor]] = {}
     for p in model.parameters():
         grad = p.grad
         if grad is None:
             continue
         if isinstance(grad, DTensor):
-            key = (id(grad.device_mesh), grad.placements)
-            if key not in groups:
-                groups[key] = _shard_group(grad)
-            buckets.setdefault(groups[key], []).append(grad._local_tensor)
+            buckets.setdefault((grad.device_mesh, _sharded_axes(grad)), []).append(grad._local_tensor)
         else:
-            buckets.setdefault(None, []).append(grad)
+            buckets.setdefault((None, ()), []).append(grad)
     locals_ = [g for bucket in buckets.values() for g in bucket]
     device = locals_[0].device if locals_ else torch.device("cpu")
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for group, bucket in buckets.items():
+    # Per mesh: the buckets' partial norms are summed (max for inf) over every axis any of them is sharded
+    # over; a bucket replicated along such an axis enters scaled by 1 / its size, so it counts once.
+    per_mesh: dict[DeviceMesh | None, tuple[list[tuple[torch.Tensor, tuple[int, ...]]], set[int]]] = {}
+    for (mesh, axes), bucket in buckets.items():
         nonempty = [g for g in bucket if g.numel()]  # a rank past the end of a parameter holds no rows
         part = torch.zeros((), dtype=torch.float32, device=device)
         if nonempty:
             norms = torch.stack([n.to(device) for n in torch._foreach_norm(nonempty, norm_type, dtype=torch.float32)])
             part = norms.max() if infinite else norms.pow(norm_type).sum()
-        if group is not None:  # every rank reduces every bucket, empty or not
-            # NCCL reduces device tensors only (offloaded gradients live on CPU).
-            comm = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else part.device
-            part = part.to(comm)
+        parts, mesh_axes = per_mesh.get(mesh, ([], set()))
+        parts.append((part, axes))
+        per_mesh[mesh] = (parts, mesh_axes | set(axes))
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for mesh, (parts, mesh_axes) in per_mesh.items():
+        part = torch.zeros((), dtype=torch.float32, device=device)
+        for value, axes in parts:
+            if infinite:
+                part = torch.maximum(part, value)
+                continue
+            copies = math.prod(mesh.size(a) for a in mesh_axes - set(axes)) if mesh is not None else 1
+            part = part + value / copies
+        for axis in sorted(mesh_axes):  # every rank reduces every axis, empty or not
+            assert mesh is not None
+            group = mesh.get_group(axis)
+            part = part.to(_reduce_device(group, device))
             dist.all_reduce(part, op=dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM, group=group)
             part = part.to(device)
         total = torch.maximum(total, part) if infinite else total + part

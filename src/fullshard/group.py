@@ -154,10 +154,10 @@ class ParamGroup:
                 value = site.module._parameters.get(site.name)
                 if value is None or value is p.sharded or value is p.unsharded:
                     continue
-                if tuple(value.shape) != p.layout.shape:
+                if tuple(value.shape) != p.shape:
                     raise ValueError(
                         f"parameter {p.fqn!r} was re-assigned after fully_shard with shape {tuple(value.shape)}; "
-                        f"it was sharded with shape {p.layout.shape}"
+                        f"it was sharded with shape {p.shape}"
                     )
                 if not isinstance(value, DTensor):
                     # It cannot become a DTensor in place, and an optimizer built since may hold it.

@@ -151,3 +151,21 @@ def post_forward_group(mesh_info: MeshInfo, size: int) -> dist.ProcessGroup:
     ranks = mesh_info.mesh.mesh.reshape(-1, size)
     sub_mesh = DeviceMesh(mesh_info.mesh.device_type, ranks)
     return sub_mesh.get_group(1)
+
+
+def concatenate_meshes(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh whose axes are ``dp_mesh``'s then ``tp_mesh``'s: both named axes of one mesh (e.g. its dp and tp)."""
+    dp_names, tp_names = dp_mesh.mesh_dim_names, tp_mesh.mesh_dim_names
+    if dp_names is None or tp_names is None or set(dp_names) & set(tp_names):
+        raise ValueError(
+            f"a tensor-parallel parameter needs the data-parallel mesh (axes {dp_names}) and its own mesh (axes "
+            f"{tp_names}) to be distinct named axes of one mesh, e.g. mesh['dp'] and mesh['tp'] of "
+            "init_device_mesh(..., mesh_dim_names=('dp', 'tp'))"
+        )
+    concatenate = getattr(DeviceMesh, "_concatenate", None)
+    if concatenate is not None:
+        return concatenate([dp_mesh, tp_mesh])
+    root = dp_mesh._get_root_mesh()  # torch before 2.13: slice the common root mesh by name
+    if root is not tp_mesh._get_root_mesh():
+        raise ValueError(f"the data-parallel mesh {dp_names} and the tensor-parallel mesh {tp_names} come from different meshes")
+    return root[(*dp_names, *tp_names)]

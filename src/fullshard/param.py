@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from functools import cached_property
 from typing import cast
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Shard, distribute_tensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from fullshard.layout import ParamLayout
-from fullshard.mesh import MeshInfo
+from fullshard.mesh import MeshInfo, concatenate_meshes
 
 
 @dataclass(frozen=True, eq=False)
@@ -51,6 +54,61 @@ def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
         stride.append(running)
         running *= max(size, 1)
     return tuple(reversed(stride))
+
+
+# [Note: Tensor parallel]
+# A parameter that is already a DTensor on another mesh (tensor parallel, from
+# parallelize_module on a "tp" axis) is sharded by fully_shard on dim 0 of its local
+# tensor: the flat buffers, the all-gather and the reduce-scatter see only that local
+# tensor, and the data-parallel ranks of one TP rank agree on its shape. Around that:
+# - the unsharded parameter is a DTensor on the TP mesh with the TP placements (the
+#   parallelized forward expects one), viewing the unsharded buffer;
+# - its gradient is brought to the TP placements (a Partial sum is all-reduced over
+#   the TP ranks) and its local tensor reduce-scattered like any other;
+# - the sharded parameter is a DTensor on the concatenated (dp..., tp) mesh with
+#   placements (dp placements, TP placements). When the TP placement also shards the
+#   FSDP shard dim, the dp placement is _StridedShard(dim, split_factor=TP shards):
+#   rank (d, t) holds chunk d of TP chunk t, torch.chunk's rule at both levels.
+
+
+@dataclass(frozen=True, eq=False)
+class TensorParallel:
+    """How a DTensor parameter is laid out on its own (TP) mesh, and the (dp, tp) layout fullshard gives it."""
+
+    spec: DTensorSpec  # the parameter as the user gave it: TP mesh, TP placements, global shape
+    mesh: DeviceMesh  # dp axes then TP axes
+    placements: tuple[Placement, ...]
+
+    @classmethod
+    def of(cls, param: DTensor, mesh_info: MeshInfo, shard_dim: int) -> TensorParallel:
+        spec = param._spec
+        split = 1
+        for axis, placement in enumerate(spec.placements):
+            if isinstance(placement, Shard) and placement.dim == shard_dim:
+                split *= spec.mesh.size(axis)
+        dp: list[Placement] = []
+        for placement in mesh_info.placements(shard_dim):
+            if isinstance(placement, Shard) and split > 1:
+                placement = _StridedShard(shard_dim, split_factor=split)
+            dp.append(placement)
+        return cls(spec, concatenate_meshes(mesh_info.mesh, spec.mesh), (*dp, *spec.placements))
+
+    def local_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's TP piece of a full (global) tensor, cut locally (no communication)."""
+        return distribute_tensor(full, self.spec.mesh, self.spec.placements, src_data_rank=None).to_local()
+
+    def unsharded(self, local: torch.Tensor) -> DTensor:
+        """``local`` (this rank's TP piece, any dtype) as a DTensor on the TP mesh."""
+        meta = TensorMeta(self.spec.shape, self.spec.stride, local.dtype)
+        return DTensor(local, DTensorSpec(self.spec.mesh, self.spec.placements, tensor_meta=meta), requires_grad=False)
+
+    def local_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """The local tensor of an unsharded gradient, brought to the parameter's TP placements first."""
+        if not isinstance(grad, DTensor):
+            return grad
+        if grad.placements != self.spec.placements:
+            grad = grad.redistribute(self.spec.mesh, self.spec.placements)
+        return grad.to_local()
 
 
 # Original parameters sharded so far in this process, by id. Entries are weak both
@@ -94,12 +152,14 @@ class ShardedParam:
     """
 
     def __init__(
-        self, fqn: str, sites: list[ParamSite], original: torch.Tensor, layout: ParamLayout, mesh_info: MeshInfo
+        self, fqn: str, sites: list[ParamSite], original: torch.Tensor, layout: ParamLayout, mesh_info: MeshInfo,
+        tp: TensorParallel | None = None,
     ) -> None:
         self.fqn = fqn
         self.sites = sites
-        self.layout = layout
+        self.layout = layout  # of the local tensor, for a tensor-parallel parameter
         self.mesh_info = mesh_info
+        self.tp = tp  # see [Note: Tensor parallel]
         self.orig_dtype = original.dtype
         # Another group that sharded the same original (a tie across fully_shard calls);
         # an error at lazy init, before the two copies could train apart.
@@ -109,6 +169,11 @@ class ShardedParam:
         self._specs: dict[torch.dtype, DTensorSpec] = {}  # see as_dtensor_of
         self.sharded: DTensor = cast(DTensor, original)  # replaced by bind_shard
         self.unsharded: nn.Parameter = cast(nn.Parameter, original)  # replaced by bind_unsharded
+
+    @cached_property
+    def shape(self) -> tuple[int, ...]:
+        """The parameter's (global) shape."""
+        return self.layout.shape if self.tp is None else tuple(self.tp.spec.shape)
 
     @property
     def requires_grad(self) -> bool:
@@ -129,7 +194,12 @@ class ShardedParam:
         rows = self.layout.rows_on(self.mesh_info.shard_rank)
         padded_chunk.zero_()
         if rows:
-            local = original.to_local() if isinstance(original, DTensor) else self.local_part(original)
+            if self.tp is not None and isinstance(original, DTensor) and original.device_mesh == self.tp.spec.mesh:
+                local = self.dp_rows(original.to_local())
+            elif isinstance(original, DTensor):
+                local = original.to_local()
+            else:
+                local = self.local_part(original)
             self.local_rows(padded_chunk).copy_(local)
 
     def as_dtensor(self, padded_chunk: torch.Tensor) -> DTensor:
@@ -146,9 +216,11 @@ class ShardedParam:
         """
         spec = self._specs.get(local.dtype)
         if spec is None:
-            lay = self.layout
-            meta = TensorMeta(torch.Size(lay.shape), contiguous_stride(lay.shape), local.dtype)
-            spec = DTensorSpec(self.mesh_info.mesh, self.mesh_info.placements(lay.shard_dim), tensor_meta=meta)
+            meta = TensorMeta(torch.Size(self.shape), contiguous_stride(self.shape), local.dtype)
+            if self.tp is None:
+                spec = DTensorSpec(self.mesh_info.mesh, self.mesh_info.placements(self.layout.shard_dim), tensor_meta=meta)
+            else:
+                spec = DTensorSpec(self.tp.mesh, self.tp.placements, tensor_meta=meta)
             self._specs[local.dtype] = spec
         if local.requires_grad:  # keep the autograd edge to `local`
             return DTensor.from_local(local, spec.mesh, spec.placements, run_check=False, shape=spec.shape,
@@ -163,13 +235,21 @@ class ShardedParam:
         """``padded_full``: this parameter's slice of the unsharded buffer."""
         lay = self.layout
         full = padded_full.view(lay.padded_shape).narrow(lay.shard_dim, 0, lay.dim_size)
-        self.unsharded = nn.Parameter(full, requires_grad=self.requires_grad)
+        value = full if self.tp is None else self.tp.unsharded(full)
+        self.unsharded = nn.Parameter(value, requires_grad=self.requires_grad)
+
+    def unsharded_grad(self) -> torch.Tensor | None:
+        """The unsharded parameter's gradient as a plain tensor (a tensor-parallel one's local piece)."""
+        grad = self.unsharded.grad
+        if grad is None or self.tp is None:
+            return grad
+        return self.tp.local_grad(grad)
 
     @torch.no_grad()
     def adopt(self, value: torch.Tensor) -> None:
         """Copy ``value`` (a DTensor of any placement, or the full tensor) into this rank's shard."""
-        if tuple(value.shape) != self.layout.shape:
-            raise ValueError(f"{self.fqn}: expected shape {self.layout.shape}, got {tuple(value.shape)}")
+        if tuple(value.shape) != self.shape:
+            raise ValueError(f"{self.fqn}: expected shape {self.shape}, got {tuple(value.shape)}")
         if isinstance(value, DTensor):
             if value.placements == self.sharded.placements and value.device_mesh == self.sharded.device_mesh:
                 self.sharded.to_local().copy_(value.to_local())
@@ -179,9 +259,13 @@ class ShardedParam:
 
     def local_part(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a full tensor (no communication)."""
+        return self.dp_rows(full if self.tp is None else self.tp.local_of(full))
+
+    def dp_rows(self, local: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of the tensor the layout cuts (the full one, or a TP piece)."""
         lay = self.layout
         rank = self.mesh_info.shard_rank
-        return full.narrow(lay.shard_dim, min(rank * lay.chunk_rows, lay.dim_size), lay.rows_on(rank))
+        return local.narrow(lay.shard_dim, min(rank * lay.chunk_rows, lay.dim_size), lay.rows_on(rank))
 
     def register(self, param: torch.Tensor) -> None:
         for site in self.sites:

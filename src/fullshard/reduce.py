@@ -185,7 +185,7 @@ class GradReducer:
         if group.reduce_dtype == group.compute_dtype:
             return
         for p in group.params:
-            grad = p.unsharded.grad
+            grad = p.unsharded_grad()
             if grad is None:
                 continue
             if p.accumulated_grad is None:
@@ -198,7 +198,7 @@ class GradReducer:
         group, settings = self.group, self.settings
         grads: list[torch.Tensor | None] = []
         for p in group.params:
-            grad = p.unsharded.grad if p.requires_grad else None
+            grad = p.unsharded_grad() if p.requires_grad else None
             needs_zeros = settings.reduce_unused_params or (p in self._partial_sums and settings.all_reduces)
             if grad is None and p.requires_grad and needs_zeros and p.accumulated_grad is None:
                 grad = torch.zeros(p.layout.shape, dtype=group.compute_dtype, device=group.device)

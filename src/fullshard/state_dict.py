@@ -67,7 +67,7 @@ def _to_local_shards(group: ParamGroup, entries: Callable[[], list[tuple[str, Sh
                 continue
             if isinstance(value, DTensor) and value.placements == p.sharded.placements:
                 continue
-            if tuple(value.shape) != p.layout.shape:
+            if tuple(value.shape) != p.shape:
                 continue  # load_state_dict reports the size mismatch itself
             full = full_tensor(value) if isinstance(value, DTensor) else value
             local = p.local_part(full).to(device=p.sharded.to_local().device)
@@ -183,7 +183,7 @@ def _shard_like(sharded: ShardedParam | None, value: Any) -> Any:
     """A full tensor shaped like a sharded parameter becomes a DTensor sharded like it; other tensors are copied."""
     if not isinstance(value, torch.Tensor):
         return value
-    if sharded is None or tuple(value.shape) != sharded.layout.shape:
+    if sharded is None or tuple(value.shape) != sharded.shape:
         return value.detach().clone()
     local = sharded.local_part(value).to(device=sharded.sharded.to_local().device)
     return sharded.as_dtensor_of(local.clone())

@@ -1,0 +1,234 @@
+"""FSDP + tensor parallel: parameters that are DTensors on a ``tp`` axis, sharded by ``fully_shard`` on ``dp``.
+
+The reference is the unsharded model trained on the data-parallel ranks' batches (every TP rank of one dp
+group sees its dp group's batch). Widths are odd, so both the TP split and the FSDP split are uneven.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.placement_types import _StridedShard
+from torch.utils.checkpoint import checkpoint
+
+import fullshard
+from fullshard import MixedPrecisionPolicy, fully_shard
+from tests.comm import CommRecorder
+from tests.harness import run_ranks
+from tests.models import mse_loss
+from tests.parity import assert_parity, full_params, random_batches, regression_batch, train
+
+DIM = 5  # in_proj 5 -> 15 rows: TP pieces of 8 and 7 rows, FSDP chunks of 4/4 and 4/3
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, checkpointed: bool = False) -> None:
+        super().__init__()
+        self.in_proj = nn.Linear(dim, 3 * dim)
+        self.out_proj = nn.Linear(3 * dim, dim)
+        self.checkpointed = checkpointed
+
+    def _body(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.out_proj(torch.relu(self.in_proj(x)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self._body, x, use_reentrant=False) if self.checkpointed else self._body(x)
+
+
+class Net(nn.Module):
+    """Two tensor-parallel blocks and a head that is not tensor parallel (data parallel only)."""
+
+    def __init__(self, checkpointed: bool = False) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(DIM, checkpointed) for _ in range(2))
+        self.head = nn.Linear(DIM, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def tp_plan() -> dict[str, object]:
+    plan: dict[str, object] = {}
+    for i in range(2):
+        plan[f"blocks.{i}.in_proj"] = ColwiseParallel(use_local_output=False)  # keeps the uneven width
+        plan[f"blocks.{i}.out_proj"] = RowwiseParallel()
+    return plan
+
+
+def parallelize(model: nn.Module, dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, **kwargs: object) -> nn.Module:
+    parallelize_module(model, tp_mesh, tp_plan())  # type: ignore[arg-type]
+    for block in model.blocks:
+        fully_shard(block, mesh=dp_mesh, **kwargs)  # type: ignore[arg-type]
+    fully_shard(model, mesh=dp_mesh, **kwargs)  # type: ignore[arg-type]
+    return model
+
+
+def batch(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return regression_batch(gen, in_dim=DIM, out_dim=3, rows=6)
+
+
+def _dp_tp(rank: int, world_size: int, reshard_after_forward: bool, checkpointed: bool) -> None:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank = mesh["dp"].get_local_rank()
+    torch.manual_seed(0)
+    ref = Net(checkpointed)
+    model = parallelize(Net(checkpointed), mesh["dp"], mesh["tp"], reshard_after_forward=reshard_after_forward)
+    model.load_state_dict(ref.state_dict())  # full tensors are accepted and cut for (dp, tp)
+    batches = random_batches(4, 2, batch)
+    ref_trace = train(ref, batches, mse_loss, rank=None)
+    trace = train(model, batches, mse_loss, rank=dp_rank)
+    assert_parity(ref_trace, trace, dp_rank, rtol=1e-5, atol=1e-6)
+
+    strided = _StridedShard(0, split_factor=2)
+    expected = {
+        "in_proj.weight": (strided, Shard(0)), "in_proj.bias": (strided, Shard(0)),
+        "out_proj.weight": (Shard(0), Shard(1)), "out_proj.bias": (Shard(0), Replicate()),
+    }
+    for name, p in model.named_parameters():
+        assert isinstance(p, DTensor), name
+        if name.startswith("head."):
+            assert p.placements == (Shard(0),) and p.device_mesh.mesh_dim_names == ("dp",), name
+            continue
+        assert p.device_mesh.mesh_dim_names == ("dp", "tp"), name
+        assert p.placements == expected[name.split(".", 2)[2]], (name, p.placements)
+        assert p.grad is None or p.grad.placements == p.placements, name
+
+
+@pytest.mark.parametrize("reshard_after_forward,checkpointed", [(True, False), (False, True)])
+def test_dp_tp_parity(reshard_after_forward: bool, checkpointed: bool) -> None:
+    run_ranks(4, _dp_tp, reshard_after_forward, checkpointed)
+
+
+def _collectives_and_clip(rank: int, world_size: int) -> None:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank = mesh["dp"].get_local_rank()
+    torch.manual_seed(0)
+    ref = Net()
+    model = parallelize(Net(), mesh["dp"], mesh["tp"], mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
+    model.load_state_dict(ref.state_dict())
+    batches = random_batches(1, 2, batch)[0]
+    rec = CommRecorder(model)
+    mse_loss(model, batches[dp_rank]).backward()
+    # One all-gather per group in forward, the blocks' again in backward; one reduce-scatter per group,
+    # each over the dp ranks only (the TP pieces never travel through fullshard).
+    assert rec.count("ag") == 3 + 2 and rec.count("rs") == 3, rec.events
+    (sum(mse_loss(ref, b) for b in batches) / 2).backward()
+    for max_norm in (1e-3, float("inf")):
+        norm = fullshard.clip_grad_norm_(model, max_norm=max_norm, norm_type=2.0)
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm=max_norm)
+        torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=1e-7)
+    inf_norm = fullshard.clip_grad_norm_(model, max_norm=1.0, norm_type="inf")
+    torch.testing.assert_close(inf_norm, torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0, norm_type="inf"))
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), dict(ref.named_parameters())[name].grad, rtol=1e-5, atol=1e-7)
+
+
+def test_collectives_stay_on_dp_and_clip_over_mixed_placements() -> None:
+    run_ranks(4, _collectives_and_clip)
+
+
+def _save(rank: int, world_size: int, path: str) -> dict[str, torch.Tensor]:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = parallelize(Net(), mesh["dp"], mesh["tp"])
+    batches = random_batches(2, 2, batch)
+    train(model, batches, mse_loss, rank=mesh["dp"].get_local_rank())
+    dcp.save(get_model_state_dict(model), checkpoint_id=path)
+    full = fullshard.full_state_dict(model)
+    return {k: v.clone() for k, v in full.items()} if rank == 0 else {}
+
+
+def _load(rank: int, world_size: int, path: str, shape: tuple[int, int]) -> dict[str, torch.Tensor]:
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(1)  # other values: the load must replace them all
+    model = parallelize(Net(), mesh["dp"], mesh["tp"])
+    state = get_model_state_dict(model)
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state)
+    return full_params(model)
+
+
+def _load_plain(rank: int, world_size: int, path: str) -> dict[str, torch.Tensor]:
+    """The same checkpoint into plain FSDP (no tensor parallel) over all ranks."""
+    model = Net()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    state = get_model_state_dict(model)
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state)
+    return full_params(model)
+
+
+def test_dcp_reload_at_other_dp_sizes_and_full_state_dict(tmp_path: Path) -> None:
+    saved = run_ranks(4, _save, str(tmp_path))[0]
+    assert saved and all(not isinstance(v, DTensor) for v in saved.values())
+    for loaded in (run_ranks(2, _load, str(tmp_path), (1, 2))[1], run_ranks(2, _load_plain, str(tmp_path))[0]):
+        assert loaded.keys() == saved.keys()
+        for name, value in saved.items():
+            torch.testing.assert_close(loaded[name], value, rtol=0, atol=0, msg=name)
+
+
+def _hsdp_tp(rank: int, world_size: int) -> None:
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
+    dp_mesh = mesh["replicate", "shard"]
+    dp_rank = dp_mesh.get_local_rank(0) * 2 + dp_mesh.get_local_rank(1)
+    torch.manual_seed(0)
+    ref = Net()
+    model = parallelize(Net(), dp_mesh, mesh["tp"])
+    model.load_state_dict(ref.state_dict())
+    batches = random_batches(3, 4, batch)
+    ref_trace = train(ref, batches, mse_loss, rank=None)
+    trace = train(model, batches, mse_loss, rank=dp_rank)
+    assert_parity(ref_trace, trace, dp_rank, rtol=1e-5, atol=1e-6)
+    weight = model.blocks[0].in_proj.weight
+    assert weight.device_mesh.mesh_dim_names == ("replicate", "shard", "tp")
+    assert weight.placements == (Replicate(), _StridedShard(0, split_factor=2), Shard(0))
+
+
+def test_hsdp_tp_parity_on_3d_mesh() -> None:
+    run_ranks(8, _hsdp_tp, timeout=180)
+
+
+def _bad_tp(rank: int, world_size: int) -> str:
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    lin = nn.Linear(4, 4)
+    lin.weight = nn.Parameter(distribute_tensor(lin.weight.detach(), mesh, [Shard(0)]))
+    with pytest.raises(ValueError, match="already a DTensor on the mesh fully_shard shards over") as err:
+        fully_shard(lin, mesh=mesh)
+    assert not isinstance(lin, fullshard.FSDPModule)
+    return str(err.value)
+
+
+def test_dtensor_on_the_dp_mesh_is_refused() -> None:
+    assert "'weight'" in run_ranks(2, _bad_tp)[0]
+
+
+def _same_batch_on_tp_ranks(rank: int, world_size: int) -> None:
+    """Gradients of one dp group agree across its TP ranks only when they see one batch; check the recorder."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = parallelize(Net(), mesh["dp"], mesh["tp"])
+    x = torch.randn(4, DIM, generator=torch.Generator().manual_seed(mesh["dp"].get_local_rank()))
+    model(x).sum().backward()
+    grads = [p.grad.full_tensor() for p in model.parameters()]
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, grads)
+    for other in gathered[1:]:
+        for a, b in zip(gathered[0], other, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_full_gradients_identical_on_every_rank() -> None:
+    run_ranks(4, _same_batch_on_tp_ranks)
+
