@@ -100,8 +100,10 @@ def _dp_tp(rank: int, world_size: int, reshard_after_forward: bool, checkpointed
         if name.startswith("head."):
             assert p.placements == (Shard(0),) and p.device_mesh.mesh_dim_names == ("dp",), name
             continue
-        assert p.device_mesh.mesh_dim_names == ("dp", "tp"), name
+        assert p.device_mesh == mesh, name
         assert p.placements == expected[name.split(".", 2)[2]], (name, p.placements)
+        ref_param = dict(ref.named_parameters())[name]
+        assert p.shape == ref_param.shape and p.stride() == ref_param.stride(), name
         assert p.grad is None or p.grad.placements == p.placements, name
 
 
@@ -199,6 +201,45 @@ def _hsdp_tp(rank: int, world_size: int) -> None:
 
 def test_hsdp_tp_parity_on_3d_mesh() -> None:
     run_ranks(8, _hsdp_tp, timeout=180)
+
+
+def _meta_init_and_other_shard_dim(rank: int, world_size: int) -> None:
+    """Built on the meta device, FSDP on the dim TP does not shard (the 4 columns of a 15 x 4 weight whose rows
+    TP splits 8 / 7), materialized with to_empty + reset_parameters; gradients equal the unsharded model's."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+    def build() -> nn.Module:
+        return nn.Sequential(nn.Linear(4, 15), nn.ReLU(), nn.Linear(15, 4))
+
+    def columns_if_tp_rows(param: nn.Parameter) -> Shard:
+        tp_dims = [pl.dim for pl in param.placements if isinstance(pl, Shard)] if isinstance(param, DTensor) else []
+        return Shard(1) if param.ndim == 2 and tp_dims == [0] else Shard(0)
+
+    with torch.device("meta"):
+        model = build()
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(use_local_output=False), "2": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"], shard_placement_fn=columns_if_tp_rows)
+    assert all(p.device.type == "meta" for p in model.parameters())
+    model.to_empty(device="cpu")
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            module.reset_parameters()  # through DTensor's random ops
+    weight = model[0].weight
+    assert weight.placements == (Shard(1), Shard(0)) and weight.to_local().shape == (8 - rank % 2, 2)
+    # On CPU meshes DTensor's random ops are not coordinated across ranks (replicas would differ): load values.
+    torch.manual_seed(0)
+    plain = build()
+    model.load_state_dict(plain.state_dict())
+    xs = [torch.randn(3, 4, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    F_loss = nn.MSELoss()
+    F_loss(model(xs[mesh["dp"].get_local_rank()]), torch.zeros(3, 4)).backward()
+    F_loss(plain(torch.cat(xs)), torch.zeros(6, 4)).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), dict(plain.named_parameters())[name].grad, msg=lambda m: f"{name}: {m}")
+
+
+def test_meta_init_and_fsdp_on_another_dim_than_tp() -> None:
+    run_ranks(4, _meta_init_and_other_shard_dim)
 
 
 def _bad_tp(rank: int, world_size: int) -> str:

@@ -331,6 +331,11 @@ def _check_params(
 def _check_tensor_parallel(param: DTensor, fqn: str, mesh_info: MeshInfo) -> None:
     """A DTensor parameter must be tensor parallel: on a mesh of its own beside the data-parallel one."""
     tp_mesh = param.device_mesh
+    if tp_mesh.device_type != mesh_info.mesh.device_type:
+        raise ValueError(
+            f"Requires DTensor to have mesh of the same type as the FSDP mesh but got {tp_mesh.device_type} for "
+            f"DTensor and {mesh_info.mesh.device_type} for FSDP (parameter {fqn!r})"
+        )
     if tp_mesh == mesh_info.mesh or set(tp_mesh.mesh_dim_names or ()) & set(mesh_info.mesh.mesh_dim_names or ()):
         raise ValueError(
             f"parameter {fqn!r} is already a DTensor on the mesh fully_shard shards over ({tp_mesh}); a DTensor "
