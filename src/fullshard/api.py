@@ -347,6 +347,14 @@ def _check_tensor_parallel(param: DTensor, fqn: str, mesh_info: MeshInfo) -> Non
     concatenate_meshes(mesh_info.mesh, tp_mesh)  # raises unless both are named axes of one mesh
 
 
+def _check_comm(method: str, comm: Any) -> None:
+    if comm is not None and not (callable(comm) and callable(getattr(comm, "allocate", None))):
+        raise TypeError(
+            f"{method}: comm must be a torch.distributed.fsdp AllGather/ReduceScatter (with allocate() and __call__), "
+            f"got {type(comm).__name__}"
+        )
+
+
 def check_param_device(fqn: str, param_device: torch.device, mesh_dev: torch.device) -> None:
     """Parameters on CPU are moved to the mesh's device; any other device must be the mesh's."""
     if param_device.type == "cpu" or param_device == mesh_dev:
@@ -548,13 +556,21 @@ class FSDPModule:
         for settings in _reduce_settings(self._as_module(), recurse=False):
             settings.force_sum_reduction = enable
 
-    def set_custom_all_gather(self, comm: object) -> None:
-        """Not supported: fullshard all-gathers its flat shard buffers itself."""
-        raise NotImplementedError("set_custom_all_gather is not supported by fullshard")
+    def set_custom_all_gather(self, comm: Any) -> None:
+        """All-gather this module's group with ``comm`` (torch's ``AllGather``): it allocates the output and runs
+        ``comm(output, input, group, async_op=True)``. ``None`` restores the default."""
+        _check_comm("set_custom_all_gather", comm)
+        group = self._get_hook_state().group
+        if group is not None:
+            group.all_gather_comm = comm
 
-    def set_custom_reduce_scatter(self, comm: object) -> None:
-        """Not supported: fullshard reduce-scatters into its flat gradient buffers itself."""
-        raise NotImplementedError("set_custom_reduce_scatter is not supported by fullshard")
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        """Reduce-scatter this module's gradients with ``comm`` (torch's ``ReduceScatter``): it allocates the input
+        and the output and runs ``comm(output, input, group, op, async_op=True)``. ``None`` restores the default."""
+        _check_comm("set_custom_reduce_scatter", comm)
+        group = self._get_hook_state().group
+        if group is not None:
+            group.reducer.settings.custom_comm = comm
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """Not supported: communication buffers come from the device's caching allocator."""

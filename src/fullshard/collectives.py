@@ -190,6 +190,7 @@ def all_gather(
     group: dist.ProcessGroup | None,
     streams: CommStreams,
     label: str,
+    comm: Any = None,
 ) -> PendingCollective:
     """All-gather every rank's flat shard buffer into one rank-major output.
 
@@ -198,6 +199,8 @@ def all_gather(
     it already has ``dtype`` and lives on ``device`` (no copy-in); otherwise it
     is cast / copied into a new all-gather input. A group of one rank issues no
     collective (``group=None`` means this rank alone): the output is the input.
+    ``comm`` (``FSDPModule.set_custom_all_gather``: torch's ``AllGather``) allocates
+    the output and runs the collective instead.
     """
     world_size = 1 if group is None else dist.get_world_size(group)
     needs_copy = flat_shard.dtype != dtype or flat_shard.device != device
@@ -207,10 +210,18 @@ def all_gather(
             inp.copy_(flat_shard, non_blocking=True)
             if flat_shard.device != device:
                 streams.h2d_done = streams.record()
-        output = inp if world_size == 1 else torch.empty(world_size * flat_shard.numel(), dtype=dtype, device=device)
+        if world_size == 1:
+            output = inp
+        elif comm is not None:
+            output = comm.allocate((world_size * flat_shard.numel(),), dtype=dtype, device=device)
+        else:
+            output = torch.empty(world_size * flat_shard.numel(), dtype=dtype, device=device)
         work, index = None, 0
         if world_size > 1 and inp.numel():
-            work = _all_gather_single(output, inp, group=group, async_op=True)
+            if comm is not None:
+                work = comm(output, inp, group, async_op=True)
+            else:
+                work = _all_gather_single(output, inp, group=group, async_op=True)
             index = failures.issued("all-gather", label, inp.numel())
         # `work.wait()` orders the waiter after the collective, but not after the copy-in when no collective
         # runs (one rank, no elements): the event covers that (and states the order to stream checkers).
@@ -225,6 +236,7 @@ def reduce_scatter(
     streams: CommStreams,
     label: str,
     op: Any = None,
+    comm: Any = None,
 ) -> PendingCollective:
     """Sum a rank-major ``(world_size, shard_numel)`` input across ranks, each rank keeping its own row.
 
@@ -232,16 +244,20 @@ def reduce_scatter(
     ``[6, 8]``, rank 1 ``[10, 12]``. ``op`` is ``ReduceOp.SUM`` unless given
     (``AVG`` divides by the world size inside the collective). Issued on the
     current stream, which must be the reduce-scatter stream on accelerators. A
-    group of one rank issues no collective.
+    group of one rank issues no collective. ``comm`` (torch's ``ReduceScatter``)
+    allocates the output and runs the collective instead.
     """
     world_size = 1 if group is None else dist.get_world_size(group)
     with profiled("reduce_scatter", label):
         if world_size == 1 or inp.numel() == 0:
             return PendingCollective(None, inp.view(-1) if world_size == 1 else inp.new_empty(0), (inp,), streams.record())
-        output = torch.empty(inp.shape[1], dtype=inp.dtype, device=inp.device)
-        work = _reduce_scatter_single(
-            output, inp.view(-1), op=dist.ReduceOp.SUM if op is None else op, group=group, async_op=True
-        )
+        op = dist.ReduceOp.SUM if op is None else op
+        if comm is not None:
+            output = comm.allocate((inp.shape[1],), dtype=inp.dtype, device=inp.device)
+            work = comm(output, inp.view(-1), group, op, async_op=True)
+        else:
+            output = torch.empty(inp.shape[1], dtype=inp.dtype, device=inp.device)
+            work = _reduce_scatter_single(output, inp.view(-1), op=op, group=group, async_op=True)
         index = failures.issued("reduce-scatter", label, inp.numel())
     pending = PendingCollective(work, output, (inp, output), what=f"reduce-scatter of group {label!r}", group=group,
                                 index=index)

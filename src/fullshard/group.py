@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum, auto
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -90,6 +90,7 @@ class ParamGroup:
         self.pin_memory = offload_to_cpu and pin_memory and device.type != "cpu"
         self.reducer = GradReducer(self)  # gradient reduction and its settings
         self.summoned = False  # inside summon_full_params
+        self.all_gather_comm: Any = None  # FSDPModule.set_custom_all_gather: torch's AllGather
 
         # Parameters on the meta device (deferred initialisation) get a meta flat shard
         # buffer; `FSDPModule.to_empty()` / `_apply` re-link them to real memory.
@@ -263,14 +264,16 @@ class ParamGroup:
             self.check_materialized()
             self._pending_layout = self.layout
             self._pending_all_gather = all_gather(
-                self.flat_shard, self.compute_dtype, self.device, self.mesh_info.shard_group, self.streams, self.label
+                self.flat_shard, self.compute_dtype, self.device, self.mesh_info.shard_group, self.streams, self.label,
+                self.all_gather_comm,
             )
             self.state = ShardedState.UNSHARDING
         elif self.state is ShardedState.SHARDED_POST_FORWARD:
             assert self.post_forward is not None
             pf = self.post_forward
             self._pending_layout = pf.layout
-            self._pending_all_gather = all_gather(pf.buffer, self.compute_dtype, self.device, pf.group, self.streams, self.label)
+            self._pending_all_gather = all_gather(pf.buffer, self.compute_dtype, self.device, pf.group, self.streams, self.label,
+                                                  self.all_gather_comm)
             self.state = ShardedState.UNSHARDING
         if not async_op:
             self.wait_for_unshard()

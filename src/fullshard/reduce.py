@@ -84,6 +84,8 @@ class ReduceSettings:
     all_reduce_hook_stream: Any = None
     # FSDP1's register_comm_hook: (state, hook(state, grad, output)) reduces instead of the reduce-scatter.
     comm_hook: tuple[Any, CommHook] | None = None
+    # FSDPModule.set_custom_reduce_scatter: torch's ReduceScatter (allocates the input and output, runs it).
+    custom_comm: Any = None
 
     @property
     def all_reduces(self) -> bool:
@@ -257,7 +259,11 @@ class GradReducer:
         if flagged:
             grads.append(self._flag_rows(tuple(g is not None for g in kept), dtype, layout.world_size))
         op, before, _ = self._reduce_op_and_factors()
-        inp = torch.empty(layout.world_size, layout.shard_numel, dtype=group.reduce_dtype, device=group.device)
+        shape = (layout.world_size, layout.shard_numel)
+        if settings.custom_comm is not None:
+            inp = settings.custom_comm.allocate(shape, dtype=group.reduce_dtype, device=group.device)
+        else:
+            inp = torch.empty(shape, dtype=group.reduce_dtype, device=group.device)
         with profiled("reduce_scatter_copy_in", group.label):
             pack_rank_major(layout, grads, inp)
             if before != 1.0:
@@ -273,7 +279,8 @@ class GradReducer:
             with streams.on(streams.reduce_scatter):
                 streams.wait(copied_in)
                 collective = reduce_scatter(
-                    inp, settings.reduce_scatter_group or group.mesh_info.shard_group, streams, group.label, op
+                    inp, settings.reduce_scatter_group or group.mesh_info.shard_group, streams, group.label, op,
+                    settings.custom_comm,
                 )
         pending = PendingReduce(self, params, layout, collective, missing=missing)
         if streams.on_accelerator:
