@@ -4,14 +4,18 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+from torch.distributed.tensor import DTensor
 
 from fullshard import fully_shard
 from tests.harness import run_ranks
-from tests.models import Transformer, lm_loss
-from tests.parity import run_parity, token_batch
+from tests.models import Transformer, lm_loss, mse_loss
+from tests.parity import regression_batch, run_parity, token_batch
 
 
 class CountingAllGather(AllGather):
@@ -66,3 +70,117 @@ def _custom_comms(rank: int, world_size: int) -> None:
 
 def test_custom_all_gather_and_reduce_scatter() -> None:
     run_ranks(2, _custom_comms)
+
+
+# ---- tensor-subclass all-gather hooks -------------------------------------------------------------------
+
+
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
+    return torch.round(w / scale.unsqueeze(1)).clamp(-127, 127).to(torch.int8), scale
+
+
+class RowInt8Weight(torch.Tensor):
+    """Test-only: an fp32 weight that all-gathers as int8 rows with an fp32 scale per row (FSDP2's hooks)."""
+
+    _data: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor) -> RowInt8Weight:
+        return torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined,no-any-return]
+            cls, data.shape, strides=data.stride(), dtype=data.dtype, device=data.device, requires_grad=data.requires_grad
+        )
+
+    def __init__(self, data: torch.Tensor) -> None:
+        self._data = data
+
+    def __repr__(self) -> str:
+        return f"RowInt8Weight({self._data})"
+
+    def __tensor_flatten__(self) -> tuple[list[str], None]:
+        return ["_data"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict[str, torch.Tensor], ctx: None, outer_size: Any, outer_stride: Any) -> RowInt8Weight:
+        return RowInt8Weight(inner["_data"])
+
+    _keep = {torch.ops.aten.detach.default, torch.ops.aten.alias.default, torch.ops.aten.view.default,
+             torch.ops.aten.clone.default, torch.ops.aten.slice.Tensor}
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        unwrap = lambda t: t._data if isinstance(t, RowInt8Weight) else t  # noqa: E731
+        out = func(*torch.utils._pytree.tree_map(unwrap, args), **torch.utils._pytree.tree_map(unwrap, kwargs or {}))
+        if func._schema.name.endswith("_") and isinstance(args[0], RowInt8Weight):  # in place: the wrapper itself
+            return args[0]
+        return RowInt8Weight(out) if func in cls._keep else out
+
+    def fsdp_pre_all_gather(self, mesh: Any, outer_size: Any, outer_stride: Any, module: Any, mp_policy: Any) -> Any:
+        return quantize_rows(self._data), None
+
+    def fsdp_post_all_gather(self, outputs: Any, metadata: Any, param_dtype: torch.dtype, *, out: Any = None) -> Any:
+        q, scale = outputs
+        w = q.to(param_dtype) * scale.to(param_dtype).unsqueeze(1)
+        if out is not None:
+            out.copy_(w[: out.shape[0]])
+            return None
+        return w, (w,)
+
+
+class QLinear(nn.Linear):
+    """The reference's layer: per-row int8 fake quantization of the weight (straight-through gradient)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if not isinstance(w, DTensor) and self.fake_quant:
+            q, scale = quantize_rows(w.detach())
+            w = w + (q.to(w.dtype) * scale.unsqueeze(1) - w).detach()
+        return F.linear(x, w, self.bias)
+
+    fake_quant = True
+
+
+def qmlp() -> nn.Module:
+    return nn.Sequential(QLinear(7, 13), nn.ReLU(), QLinear(13, 5), nn.ReLU(), QLinear(5, 3))
+
+
+def _record_bytes() -> tuple[list[int], Any]:
+    sizes: list[int] = []
+    orig = dist.all_gather_single
+
+    def recording(output: torch.Tensor, inp: torch.Tensor, **kwargs: Any) -> Any:
+        sizes.append(inp.numel() * inp.element_size())
+        return orig(output, inp, **kwargs)
+
+    dist.all_gather_single = recording  # type: ignore[assignment]
+    return sizes, orig
+
+
+def _subclass_parity(rank: int, world_size: int, reshard_after_forward: bool) -> None:
+    def shard(model: nn.Module) -> None:
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                layer.weight = nn.Parameter(RowInt8Weight(layer.weight.detach().clone()))
+                fully_shard(layer, reshard_after_forward=reshard_after_forward)
+        fully_shard(model)
+
+    sizes, orig = _record_bytes()
+    try:
+        trace, model = run_parity(rank, world_size, qmlp, shard, regression_batch, mse_loss, steps=4, rtol=1e-5, atol=1e-6)
+    finally:
+        dist.all_gather_single = orig  # type: ignore[assignment]
+    weight = model[0].weight
+    assert isinstance(weight, DTensor) and isinstance(weight.to_local(), RowInt8Weight)
+    mse_loss(model, regression_batch(torch.Generator().manual_seed(rank))).backward()
+    assert type(weight.grad.to_local()) is torch.Tensor and weight.grad.dtype == torch.float32
+    # layer 0's all-gather: 7 rows of 7 int8 + 7 fp32 scales per rank (13 rows padded to 14 / 4 ranks -> 4 rows)
+    rows = -(-13 // world_size)
+    expected = -(-rows * 7 // 16) * 16 + -(-rows * 4 // 16) * 16 + 16 * (-(-rows * 4 // 16))  # q, scale, bias
+    assert expected in sizes, (expected, sorted(set(sizes)))
+    fp32_bytes = rows * 7 * 4 + rows * 4
+    assert expected < 0.6 * fp32_bytes
+
+
+@pytest.mark.parametrize("world_size,reshard_after_forward", [(2, True), (4, False)])
+def test_tensor_subclass_all_gather_hooks_parity(world_size: int, reshard_after_forward: bool) -> None:
+    run_ranks(world_size, _subclass_parity, reshard_after_forward)

@@ -8,6 +8,7 @@ import logging
 
 from fullshard import checkpoint, optim
 from fullshard.api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method, share_comm_ctx
+from fullshard.codec import QuantizedCommPolicy
 from fullshard.ema import EMA
 from fullshard.errors import AlreadyShardedError, UsageError
 from fullshard.failures import DivergenceError, RankFailureError, collective_timeout, set_collective_timeout
@@ -57,6 +58,7 @@ __all__ = [
     "ModuleWrapPolicy",
     "OffloadPolicy",
     "OptimStateKeyType",
+    "QuantizedCommPolicy",
     "RankFailureError",
     "ReduceState",
     "ShardingStrategy",

@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import UnshardHandle as _TorchUnshardHandle
 from torch.distributed.tensor import DTensor, Shard
 
+from fullshard.codec import QuantizedCommPolicy, make_codecs, validate_comm_policy
 from fullshard.collectives import CommStreams
 from fullshard.errors import AlreadyShardedError, UnsupportedError, UsageError, expect_bool, expect_positive
 from fullshard.group import ParamGroup, ShardedState
@@ -42,12 +43,14 @@ def fully_shard(
     module: nn.Module, *, mesh: DeviceMesh | None = ..., reshard_after_forward: bool | int | None = ...,
     shard_placement_fn: _ShardPlacementFn | None = ..., mp_policy: MixedPrecisionPolicy = ...,
     offload_policy: OffloadPolicy = ..., ignored_params: set[nn.Parameter] | None = ..., dp_mesh_dims: object | None = ...,
+    comm_policy: QuantizedCommPolicy | None = ...,
 ) -> FSDPModule: ...
 @overload
 def fully_shard(
     module: list[nn.Module], *, mesh: DeviceMesh | None = ..., reshard_after_forward: bool | int | None = ...,
     shard_placement_fn: _ShardPlacementFn | None = ..., mp_policy: MixedPrecisionPolicy = ...,
     offload_policy: OffloadPolicy = ..., ignored_params: set[nn.Parameter] | None = ..., dp_mesh_dims: object | None = ...,
+    comm_policy: QuantizedCommPolicy | None = ...,
 ) -> list[FSDPModule]: ...
 
 
@@ -61,6 +64,7 @@ def fully_shard(
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: set[nn.Parameter] | None = None,
     dp_mesh_dims: object | None = None,
+    comm_policy: QuantizedCommPolicy | None = None,
 ) -> Any:
     """Shard ``module``'s parameters over ``mesh`` and unshard them around its forward and backward.
 
@@ -83,6 +87,8 @@ def fully_shard(
     - ``mp_policy`` / ``offload_policy``: see :class:`MixedPrecisionPolicy` and
       :class:`CPUOffloadPolicy`.
     - ``ignored_params``: left alone (not sharded, not reduced).
+    - ``comm_policy``: :class:`QuantizedCommPolicy` all-gathers weights as block-quantized
+      int8 and reduce-scatters gradients in bf16 (not in FSDP2).
     """
     modules = _validate_modules(module)
     if not isinstance(reshard_after_forward, (bool, int, type(None))):
@@ -90,6 +96,14 @@ def fully_shard(
             f"reshard_after_forward should be a bool, an int or None, not {reshard_after_forward!r}"
         )
     mp_policy = validate_mp_policy(mp_policy)
+    comm_policy = validate_comm_policy(comm_policy)
+    reduce_dtype = mp_policy.reduce_dtype
+    if comm_policy is not None:
+        if reduce_dtype is not None and reduce_dtype != comm_policy.reduce_dtype:
+            raise ValueError(
+                f"mp_policy.reduce_dtype={reduce_dtype} and comm_policy.reduce_dtype={comm_policy.reduce_dtype} disagree"
+            )
+        reduce_dtype = comm_policy.reduce_dtype
     offload_policy = validate_offload_policy(offload_policy)
     if shard_placement_fn is not None and not callable(shard_placement_fn):
         raise TypeError(f"shard_placement_fn must be callable or None, got {type(shard_placement_fn).__name__}")
@@ -147,11 +161,12 @@ def fully_shard(
         sharded = [ShardedParam(fqns[p], sites[p], p, layouts[p], mesh_info, tp.get(p)) for p in params]
         group = ParamGroup(
             sharded, params, mesh_info, device,
-            mp_policy.param_dtype, mp_policy.reduce_dtype, streams,
+            mp_policy.param_dtype, reduce_dtype, streams,
             offload_to_cpu=isinstance(offload_policy, CPUOffloadPolicy),
             pin_memory=isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory,
         )
         group.label = type(modules[0]).__name__
+        group.codecs = make_codecs(group, comm_policy, mp_policy)
         if post_forward_size is not None:
             group.set_post_forward_group(post_forward_group(mesh_info, post_forward_size))
         register_state_dict_hooks(group)

@@ -63,6 +63,8 @@ from torch.autograd.profiler import record_function
 
 from fullshard import failures
 
+ALIGN = 16  # bytes: where each tensor of a packed all-gather starts
+
 
 def profiled(kind: str, label: str = "") -> contextlib.AbstractContextManager[Any]:
     """``record_function("fullshard::<kind> <label>")`` while a profiler records; nothing otherwise.
@@ -160,6 +162,7 @@ class PendingCollective:
     what: str = ""  # for errors: "all-gather of group 'blocks.0'"
     group: dist.ProcessGroup | None = None
     index: int = 0  # its place in the iteration's schedule ([Note: Divergence check] in failures.py)
+    parts: tuple[tuple[int, int, torch.dtype], ...] | None = None  # packed all-gather: (offset, bytes, dtype) each
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
@@ -228,6 +231,54 @@ def all_gather(
         issued = streams.record()
     return PendingCollective(work, output, (inp, output), issued=issued, what=f"all-gather of group {label!r}", group=group,
                              index=index)
+
+
+def all_gather_packed(
+    encode: Callable[[], list[torch.Tensor]],
+    device: torch.device,
+    group: dist.ProcessGroup | None,
+    streams: CommStreams,
+    label: str,
+    comm: Any = None,
+) -> PendingCollective:
+    """All-gather the tensors ``encode()`` returns (any dtypes) as one byte buffer ([Note: Packed all-gather]).
+
+    ``encode`` runs on the all-gather stream. Each tensor starts at a multiple of
+    ``ALIGN`` bytes; ``parts`` of the result says where, so ``unpack`` can cut every
+    rank's copies back out.
+    """
+    world_size = 1 if group is None else dist.get_world_size(group)
+    with profiled("all_gather", label), streams.all_gather_stream():
+        tensors = encode()
+        parts, total = [], 0
+        for t in tensors:
+            nbytes = t.numel() * t.element_size()
+            parts.append((total, nbytes, t.dtype))
+            total += -(-nbytes // ALIGN) * ALIGN
+        inp = torch.empty(total, dtype=torch.uint8, device=device)
+        for t, (offset, nbytes, dtype) in zip(tensors, parts):
+            inp.narrow(0, offset, nbytes).view(dtype).copy_(t.reshape(-1))
+        del tensors
+        if world_size == 1:
+            output = inp
+        elif comm is not None:
+            output = comm.allocate((world_size * total,), dtype=torch.uint8, device=device)
+        else:
+            output = torch.empty(world_size * total, dtype=torch.uint8, device=device)
+        work, index = None, 0
+        if world_size > 1 and total:
+            work = (comm(output, inp, group, async_op=True) if comm is not None
+                    else _all_gather_single(output, inp, group=group, async_op=True))
+            index = failures.issued("all-gather", label, total)
+        issued = streams.record()
+    return PendingCollective(work, output, (inp, output), issued=issued, what=f"all-gather of group {label!r}",
+                             group=group, index=index, parts=tuple(parts))
+
+
+def unpack(output: torch.Tensor, parts: tuple[tuple[int, int, torch.dtype], ...], world_size: int) -> list[torch.Tensor]:
+    """Every packed tensor of every rank from a packed all-gather's output, each ``(world_size, numel)``."""
+    rank_major = output.view(world_size, -1)
+    return [rank_major[:, offset : offset + nbytes].contiguous().view(dtype) for offset, nbytes, dtype in parts]
 
 
 def reduce_scatter(

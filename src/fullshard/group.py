@@ -11,11 +11,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fullshard.collectives import CommStreams, PendingCollective, all_gather
+from fullshard.codec import Codec
+from fullshard.collectives import CommStreams, PendingCollective, all_gather, all_gather_packed, unpack
 from fullshard.errors import MetaParameterError
 from fullshard.layout import GroupLayout, ParamLayout
 from fullshard.mesh import MeshInfo
-from fullshard.param import ShardedParam, full_tensor, rank_axis_view
+from fullshard.param import ShardedParam, full_tensor, inner_tensor, rank_axis_view
 from fullshard.reduce import GradReducer
 
 
@@ -91,6 +92,9 @@ class ParamGroup:
         self.reducer = GradReducer(self)  # gradient reduction and its settings
         self.summoned = False  # inside summon_full_params
         self.all_gather_comm: Any = None  # FSDPModule.set_custom_all_gather: torch's AllGather
+        # One codec per parameter when the group all-gathers packed ([Note: Packed all-gather] in codec.py).
+        self.codecs: list[Codec] | None = None
+        self._part_counts: list[int] = []
 
         # Parameters on the meta device (deferred initialisation) get a meta flat shard
         # buffer; `FSDPModule.to_empty()` / `_apply` re-link them to real memory.
@@ -194,7 +198,7 @@ class ParamGroup:
         """
         self.reshard()
         self.streams.shards_written()
-        locals_ = [p.sharded.to_local() for p in self.params]
+        locals_ = [inner_tensor(p.sharded.to_local()) for p in self.params]
         chunks = self.split(self.flat_shard, self.layout)
         if self.flat_shard.numel() == self.layout.shard_numel and all(
             loc.dtype == self.flat_shard.dtype and loc.device == self.flat_shard.device
@@ -209,7 +213,8 @@ class ParamGroup:
         for p, loc, chunk in zip(self.params, locals_, self.split(flat, self.layout)):
             if device.type != "meta":
                 p.local_rows(chunk).copy_(loc)
-            replacement = torch.nn.Parameter(p.as_dtensor(chunk), requires_grad=p.sharded.requires_grad)
+            replacement = torch.nn.Parameter(p.as_dtensor_of(p.wrap_local(p.local_rows(chunk))),
+                                             requires_grad=p.sharded.requires_grad)
             torch.utils.swap_tensors(p.sharded, replacement)
         self.flat_shard = flat
         self.shard_device = device if device.type != "meta" else self.shard_device
@@ -252,6 +257,11 @@ class ParamGroup:
         if group is None:
             self.post_forward = None
             return
+        if self.codecs is not None:
+            raise NotImplementedError(
+                f"group {self.label!r}: reshard_after_forward as an int is not supported with all-gather extensions "
+                "or a comm_policy; pass True or False"
+            )
         size = dist.get_world_size(group)
         layout = GroupLayout(tuple(ParamLayout(p.shape, p.shard_dim, size) for p in self.layout.params))
         buffer = torch.empty(layout.shard_numel, dtype=self.compute_dtype, device=self.device)
@@ -260,7 +270,13 @@ class ParamGroup:
 
     def unshard(self, async_op: bool = False) -> None:
         """Issue the all-gather (SHARDED[_POST_FORWARD] -> UNSHARDING); with ``async_op=False`` also wait."""
-        if self.state is ShardedState.SHARDED:
+        if self.state is ShardedState.SHARDED and self.codecs is not None:
+            self.check_materialized()
+            self._pending_all_gather = all_gather_packed(
+                self._encode, self.device, self.mesh_info.shard_group, self.streams, self.label, self.all_gather_comm
+            )
+            self.state = ShardedState.UNSHARDING
+        elif self.state is ShardedState.SHARDED:
             self.check_materialized()
             self._pending_layout = self.layout
             self._pending_all_gather = all_gather(
@@ -284,10 +300,15 @@ class ParamGroup:
             return
         if self.state is not ShardedState.UNSHARDING or self._pending_all_gather is None:
             raise AssertionError(f"group {self.label!r}: wait_for_unshard in state {self.state.name}")
-        output = self._pending_all_gather.wait()
+        pending = self._pending_all_gather
+        output = pending.wait()
         self._pending_all_gather = None
         self._alloc_unsharded()
-        self._copy_out(output, self._pending_layout)
+        if pending.parts is not None:
+            self._decode(unpack(output, pending.parts, self.mesh_info.shard_size))
+        else:
+            self._copy_out(output, self._pending_layout)
+        del pending
         del output  # the all-gather buffers go; the all-gather stream reuses them after this event
         self.streams.all_gather_read()
         if self.post_forward is not None:
@@ -329,6 +350,29 @@ class ParamGroup:
         self._free_unsharded()
         self.state = ShardedState.SHARDED_POST_FORWARD
 
+    def _encode(self) -> list[torch.Tensor]:
+        """Every parameter's all-gather tensors (on the all-gather stream), by its codec."""
+        assert self.codecs is not None
+        flat = self.flat_shard
+        if flat.device != self.device:  # offloaded shards
+            flat = flat.to(self.device, non_blocking=True)
+            self.streams.h2d_done = self.streams.record()
+        tensors: list[torch.Tensor] = []
+        self._part_counts = []
+        for codec, chunk in zip(self.codecs, self.split(flat, self.layout)):
+            encoded = codec.encode(chunk)
+            self._part_counts.append(len(encoded))
+            tensors.extend(encoded)
+        return tensors
+
+    @torch.no_grad()
+    def _decode(self, parts: list[torch.Tensor]) -> None:
+        assert self.codecs is not None
+        start = 0
+        for codec, region, count in zip(self.codecs, self._regions, self._part_counts):
+            codec.decode(parts[start : start + count], region)
+            start += count
+
     def _alloc_unsharded(self) -> None:
         storage = self.unsharded_buffer.untyped_storage()
         nbytes = self.unsharded_buffer.numel() * self.unsharded_buffer.element_size()
@@ -339,6 +383,8 @@ class ParamGroup:
         # Resizing the storage (not dropping the tensor) keeps every view, and
         # every reference autograd saved, valid for the next unshard.
         self.unsharded_buffer.untyped_storage().resize_(0)
+        for codec in self.codecs or ():
+            codec.reshard()
 
     @torch.no_grad()
     def _copy_out(self, output: torch.Tensor, src: GroupLayout) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass
 from functools import cached_property
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -111,6 +111,35 @@ class TensorParallel:
         return grad.to_local()
 
 
+def _extension_of(fqn: str, data: torch.Tensor) -> tuple[type, str, Any]:
+    if not (hasattr(data, "fsdp_pre_all_gather") and hasattr(data, "fsdp_post_all_gather")):
+        raise ValueError(
+            f"parameter {fqn!r} ({type(data).__name__}) defines only one of fsdp_pre_all_gather and "
+            "fsdp_post_all_gather; an all-gather extension needs both"
+        )
+    flatten = getattr(data, "__tensor_flatten__", None)
+    names, ctx = flatten() if flatten is not None else ([], None)
+    inner = getattr(data, names[0]) if len(names) == 1 else None
+    if inner is None or type(inner) is not torch.Tensor or inner.shape != data.shape:
+        raise NotImplementedError(
+            f"parameter {fqn!r}: fullshard shards a tensor subclass with all-gather hooks through its one inner "
+            f"tensor of the parameter's shape (__tensor_flatten__ / __tensor_unflatten__); {type(data).__name__} "
+            f"flattens to {names}"
+        )
+    return type(data), names[0], ctx
+
+
+def inner_tensor(value: torch.Tensor) -> torch.Tensor:
+    """The plain data of a tensor subclass with all-gather hooks (the tensor itself otherwise)."""
+    if isinstance(value, DTensor):
+        value = value.to_local()
+    flatten = getattr(value, "__tensor_flatten__", None)
+    if flatten is None or type(value) is torch.Tensor or not hasattr(value, "fsdp_pre_all_gather"):
+        return value
+    names, _ = flatten()
+    return cast(torch.Tensor, getattr(value, names[0]))
+
+
 # Original parameters sharded so far in this process, by id. Entries are weak both
 # ways: the original's memory is freed once the modules drop it, an id reused by a
 # later tensor does not match the dead reference, and a claim made by a group that
@@ -160,6 +189,12 @@ class ShardedParam:
         self.layout = layout  # of the local tensor, for a tensor-parallel parameter
         self.mesh_info = mesh_info
         self.tp = tp  # see [Note: Tensor parallel]
+        # A tensor subclass with FSDP2's all-gather hooks: (class, inner tensor name, flatten context); its
+        # sharded local tensor is the subclass around this rank's rows (see fullshard.codec.ExtensionCodec).
+        self.extension: tuple[type, str, Any] | None = None
+        data = original.to_local() if isinstance(original, DTensor) else original
+        if hasattr(data, "fsdp_pre_all_gather") or hasattr(data, "fsdp_post_all_gather"):
+            self.extension = _extension_of(fqn, data)
         self.orig_dtype = original.dtype
         # Another group that sharded the same original (a tie across fully_shard calls);
         # an error at lazy init, before the two copies could train apart.
@@ -193,6 +228,8 @@ class ShardedParam:
         """
         rows = self.layout.rows_on(self.mesh_info.shard_rank)
         padded_chunk.zero_()
+        if self.extension is not None:
+            original = inner_tensor(original)
         if rows:
             if self.tp is not None and isinstance(original, DTensor) and original.device_mesh == self.tp.spec.mesh:
                 local = self.dp_rows(original.to_local())
@@ -227,9 +264,17 @@ class ShardedParam:
                                       stride=spec.stride)
         return DTensor(local, spec, requires_grad=False)
 
+    def wrap_local(self, local: torch.Tensor) -> torch.Tensor:
+        """``local`` as the parameter's tensor subclass (itself when there is none)."""
+        if self.extension is None:
+            return local
+        cls, name, ctx = self.extension
+        return cast(torch.Tensor, cls.__tensor_unflatten__({name: local}, ctx, local.shape, local.stride()))  # type: ignore[attr-defined]
+
     def bind_shard(self, padded_chunk: torch.Tensor, requires_grad: bool) -> None:
         with torch.no_grad():
-            self.sharded = cast(DTensor, nn.Parameter(self.as_dtensor(padded_chunk), requires_grad=requires_grad))
+            local = self.wrap_local(self.local_rows(padded_chunk))
+            self.sharded = cast(DTensor, nn.Parameter(self.as_dtensor_of(local), requires_grad=requires_grad))
 
     def bind_unsharded(self, padded_full: torch.Tensor) -> None:
         """``padded_full``: this parameter's slice of the unsharded buffer."""
