@@ -238,6 +238,17 @@ def test_torchrun_max_restarts_resumes_by_itself(tmp_path: Path, corpus: Path, u
     torch.testing.assert_close([resumed[s] for s in range(1, 7)], [whole[s] for s in range(1, 7)], rtol=1e-5, atol=1e-5)
 
 
+def test_quantized_comm_trains_like_full_precision(tmp_path: Path, corpus: Path, uninterrupted: Path) -> None:
+    done = fullshard("train", "--data", str(corpus), "--out", str(tmp_path), "--steps", "6", "--checkpoint-every", "3",
+                     "--quantized-comm", *TINY)
+    assert done.returncode == 0, done.stderr
+    quantized, whole = losses(tmp_path), losses(uninterrupted)
+    assert sorted(quantized) == sorted(whole)
+    assert quantized != whole  # the weights did travel quantized
+    for step, loss in quantized.items():
+        assert abs(loss / whole[step] - 1) < 0.01, (step, loss, whole[step])
+
+
 def test_hf_model(tmp_path: Path, corpus: Path) -> None:
     pytest.importorskip("transformers")
     done = fullshard("train", "--hf-model", "llama", "--data", str(corpus), "--out", str(tmp_path), "--steps", "3", *TINY)

@@ -30,6 +30,7 @@ from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision,
 from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
 
 from fullshard.api import fully_shard, original_class
+from fullshard.codec import QuantizedCommPolicy
 from fullshard.errors import expect_module
 from fullshard.mesh import DataParallelMeshDims, default_device_type
 from fullshard.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -185,6 +186,7 @@ def shard_model(
     limit_all_gathers: bool = True,
     device_mesh: DeviceMesh | None = None,
     ignored_modules: Iterable[nn.Module] | None = None,
+    comm_policy: QuantizedCommPolicy | None = None,
 ) -> nn.Module:
     """Shard ``model`` in place the way ``FullyShardedDataParallel(model, ...)`` would, and return it.
 
@@ -196,6 +198,7 @@ def shard_model(
     after, ``None`` not at all. ``forward_prefetch=True`` all-gathers the next
     group before this one computes. ``limit_all_gathers=False`` lets prefetching
     run further ahead (every remaining group), trading memory for overlap.
+    ``comm_policy`` goes to every ``fully_shard`` call (:class:`QuantizedCommPolicy`).
     """
     expect_module("shard_model", model)
     if not isinstance(sharding_strategy, ShardingStrategy):
@@ -214,6 +217,7 @@ def shard_model(
         **mesh_kwargs,
         "offload_policy": CPUOffloadPolicy() if cpu_offload is not None and cpu_offload.offload_params else OffloadPolicy(),
         "ignored_params": {p for m in ignored for p in m.parameters()},
+        "comm_policy": comm_policy,
     }
     if not any(p not in common["ignored_params"] for p in model.parameters()):
         raise ValueError(f"shard_model: {type(model).__name__} has no parameters to shard")

@@ -39,6 +39,7 @@ from fullshard.api import original_class
 from fullshard.cli import hf, launch
 from fullshard.cli.data import Corpus, default_corpus
 from fullshard.cli.launch import UserError
+from fullshard.codec import QuantizedCommPolicy
 from fullshard.ema import EMA
 from fullshard.fsdp1 import clip_grad_norm_, no_sync, nonfinite_gradients
 from fullshard.gpt import GPT, Block, GPTConfig
@@ -81,6 +82,7 @@ class TrainConfig:
     hf_model: str = ""
     ema: float = 0.0
     skip_nonfinite: bool = False
+    quantized_comm: bool = False
     max_restarts: int = 0
     progress: bool = True
 
@@ -174,6 +176,8 @@ HELP = {
     "stopping with an error that names the parameters",
     "max_restarts": "when a rank dies, stop the others and start again from the latest intact checkpoint, up to N "
     "times (local ranks; under torchrun use its --max-restarts: a restarted worker resumes by itself)",
+    "quantized_comm": "all-gather weight matrices as block-quantized int8 and reduce-scatter gradients in bf16 "
+    "(fullshard.QuantizedCommPolicy; shards, optimizer and the fp32 gradient accumulation stay full precision)",
     "progress": "show the progress bar on rank 0",
 }
 
@@ -291,9 +295,12 @@ def build(cfg: TrainConfig, world_size: int, device: torch.device) -> tuple[torc
                             "that it divides")
         mesh = init_device_mesh(device.type, (cfg.replicate, world_size // cfg.replicate), mesh_dim_names=("replicate", "shard"))
     dtype = DTYPES[cfg.dtype]
+    comm_policy = QuantizedCommPolicy() if cfg.quantized_comm else None
+    reduce_dtype = comm_policy.reduce_dtype if comm_policy is not None else torch.float32
     shard_model(
         model, auto_wrap_policy=ModuleWrapPolicy({layer_class}), sharding_strategy=strategy, device_mesh=mesh,
-        mixed_precision=MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else None,
+        mixed_precision=MixedPrecision(param_dtype=dtype, reduce_dtype=reduce_dtype) if dtype else None,
+        comm_policy=comm_policy,
     )
     if cfg.reshard_after_forward != "auto":
         model.set_reshard_after_forward(cfg.reshard_after_forward == "true")  # type: ignore[operator]
