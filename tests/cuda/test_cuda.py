@@ -212,3 +212,37 @@ def test_peak_memory_against_fsdp2() -> None:
     theirs = _peak_bytes(shard_torch)
     print(f"peak memory: fullshard {ours / 2**20:.1f} MiB, FSDP2 {theirs / 2**20:.1f} MiB ({ours / theirs:.3f}x)")
     assert ours <= 1.05 * theirs, (ours, theirs)
+
+
+def test_tensor_subclass_hooks_and_quantized_comm_with_offload() -> None:
+    """The packed all-gather on the side stream: a subclass's hooks, int8 blocks from pinned host shards."""
+    from fullshard import QuantizedCommPolicy
+    from tests.test_extensions import RowInt8Weight, qmlp
+
+    def with_subclass(model: nn.Module) -> None:
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                layer.weight = nn.Parameter(RowInt8Weight(layer.weight.detach().clone()))
+                fully_shard(layer)
+        fully_shard(model)
+
+    model = cuda_parity(qmlp, with_subclass, regression_batch, mse_loss, **FP32_TOL)
+    assert model[0].weight.device.type == "cuda"
+    policy = QuantizedCommPolicy(block_size=16)
+    model = cuda_parity(Transformer, functools.partial(shard_blocks, comm_policy=policy, offload_policy=CPUOffloadPolicy()),
+                        token_batch, lm_loss, rtol=2e-2, atol=2e-2)
+    assert all(p.to_local().device.type == "cpu" for p in model.parameters())
+
+
+def test_tensor_parallel_on_one_gpu() -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cuda", (1, 1), mesh_dim_names=("dp", "tp"))
+
+    def shard(model: nn.Module) -> None:
+        model.cuda()
+        parallelize_module(model, mesh["tp"], {"layers.0": ColwiseParallel(), "layers.1": RowwiseParallel()})
+        fully_shard(model, mesh=mesh["dp"])
+
+    model = cuda_parity(MLP, shard, regression_batch, mse_loss, **FP32_TOL)
+    assert model.layers[0].weight.device_mesh.mesh_dim_names == ("dp", "tp")
