@@ -13,6 +13,7 @@ run on their streams exactly as at any world size.
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import os
 from collections.abc import Callable
@@ -181,6 +182,10 @@ def test_next_all_gather_overlaps_compute(tmp_path: Any) -> None:
 
 
 def _peak_bytes(shard: Callable[[nn.Module], None]) -> int:
+    """Peak bytes above what was allocated before (earlier tests' models die with the next garbage collection)."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
     torch.manual_seed(0)
     model = Wide(dim=1024, n_blocks=8)
     shard(model)
@@ -193,7 +198,7 @@ def _peak_bytes(shard: Callable[[nn.Module], None]) -> int:
         opt.step()
         opt.zero_grad()
     torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated()
+    peak = torch.cuda.max_memory_allocated() - base
     del model, opt
     torch.cuda.empty_cache()
     return peak
