@@ -252,6 +252,19 @@ class _PostBackward(torch.autograd.Function):
         return (None, *grads)
 
 
+# [Note: torch.compile]
+# fullshard's forward hooks (all-gather, resharding, registering the backward hooks) run
+# eagerly, also when the module is compiled (block.compile(), torch.compile(model)):
+# torch.compiler.disable makes Dynamo call them as they are instead of tracing them, so
+# a compiled block's graph holds its own computation only and is not broken up by
+# collectives, stream waits or storage resizes. Backward hooks run from autograd,
+# outside any graph, as in eager mode.
+
+
+def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
+    return torch.compiler.disable(hook, recursive=True)
+
+
 class HookState:
     """Hook state of one ``fully_shard`` call (one group, one or more modules)."""
 
@@ -285,8 +298,9 @@ class HookState:
         self._modules_to_run: set[nn.Module] = set()
         for module in modules:
             module.__dict__[STATE_KEY] = self
-            module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
-            module.register_forward_hook(self._post_forward_hook, prepend=False)
+            # Outside any torch.compile'd region ([Note: torch.compile]): the compiled graph is the module's own code.
+            module.register_forward_pre_hook(_eager(self._pre_forward_hook), prepend=True, with_kwargs=True)
+            module.register_forward_hook(_eager(self._post_forward_hook), prepend=False)
 
     @property
     def label(self) -> str:
