@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam as _adam
 from torch.optim.sgd import sgd as _sgd
 
-__all__ = ["SGD", "Adam", "AdamW"]
+__all__ = ["SGD", "Adam", "AdamW", "Muon"]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -141,3 +141,6 @@ def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     if not isinstance(p, DTensor):
         return local
     return DTensor(local, p._spec, requires_grad=False)  # same shape, stride, dtype; `local` stays on its device
+
+
+from fullshard.muon import Muon  # noqa: E402  (re-exported: fullshard.optim.Muon)

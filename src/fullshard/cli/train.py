@@ -35,6 +35,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from fullshard import checkpoint
+from fullshard import optim as fullshard_optim
 from fullshard.api import original_class
 from fullshard.cli import hf, launch
 from fullshard.cli.data import Corpus, default_corpus
@@ -83,6 +84,7 @@ class TrainConfig:
     ema: float = 0.0
     skip_nonfinite: bool = False
     quantized_comm: bool = False
+    optimizer: str = "adamw"
     max_restarts: int = 0
     progress: bool = True
 
@@ -105,6 +107,8 @@ class TrainConfig:
             raise UserError(f"--max-restarts must be at least 0, got {self.max_restarts}")
         if not 0.0 <= self.ema < 1.0:
             raise UserError(f"--ema must be a decay in [0, 1) (0: off), got {self.ema}")
+        if self.optimizer not in ("adamw", "muon"):
+            raise UserError(f"--optimizer must be adamw or muon, got {self.optimizer!r}")
         if self.device not in ("cpu", "cuda"):
             raise UserError(f"--device must be cpu or cuda, got {self.device!r}")
         for name in ("nproc", "batch_size", "grad_accum", "steps", "eval_every", "eval_batches", "checkpoint_every", "replicate"):
@@ -153,7 +157,7 @@ HELP = {
     "batch_size": "global batch: sequences per optimizer step, split over ranks and micro-batches",
     "grad_accum": "micro-batches per optimizer step (gradients reduced once, after the last)",
     "steps": "optimizer steps in all",
-    "lr": "peak learning rate (AdamW)",
+    "lr": "peak learning rate",
     "min_lr_ratio": "final learning rate as a fraction of --lr (cosine decay)",
     "warmup": "steps of linear warm-up",
     "weight_decay": "AdamW weight decay",
@@ -178,6 +182,8 @@ HELP = {
     "times (local ranks; under torchrun use its --max-restarts: a restarted worker resumes by itself)",
     "quantized_comm": "all-gather weight matrices as block-quantized int8 and reduce-scatter gradients in bf16 "
     "(fullshard.QuantizedCommPolicy; shards, optimizer and the fp32 gradient accumulation stay full precision)",
+    "optimizer": "adamw (fullshard.optim.AdamW), or muon: fullshard.optim.Muon for the blocks' weight matrices "
+    "(RMS matched to AdamW, so one --lr serves both) and AdamW for embeddings, head, norms and biases",
     "progress": "show the progress bar on rank 0",
 }
 
@@ -276,7 +282,7 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def build(cfg: TrainConfig, world_size: int, device: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def build(cfg: TrainConfig, world_size: int, device: torch.device) -> tuple[torch.nn.Module, Any]:
     torch.manual_seed(cfg.seed)
     model: torch.nn.Module
     if cfg.hf_model:
@@ -304,14 +310,48 @@ def build(cfg: TrainConfig, world_size: int, device: torch.device) -> tuple[torc
     )
     if cfg.reshard_after_forward != "auto":
         model.set_reshard_after_forward(cfg.reshard_after_forward == "true")  # type: ignore[operator]
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    return model, opt
+    adamw: dict[str, Any] = {"lr": cfg.lr, "betas": (0.9, 0.95), "weight_decay": cfg.weight_decay}
+    if cfg.optimizer == "adamw":
+        return model, torch.optim.AdamW(model.parameters(), **adamw)
+    # Muon for the blocks' weight matrices, AdamW for embeddings, head, norms and biases.
+    matrices = {p: None for m in model.modules() if isinstance(m, layer_class) for p in m.parameters() if p.ndim == 2}
+    rest = [p for p in model.parameters() if p not in matrices]
+    muon = fullshard_optim.Muon(list(matrices), lr=cfg.lr, weight_decay=cfg.weight_decay, adjust_lr_fn="match_rms_adamw")
+    return model, Optimizers(muon, fullshard_optim.AdamW(rest, **adamw))
+
+
+class Optimizers:
+    """Several optimizers stepped as one (``--optimizer muon``); checkpoints hold each one's state."""
+
+    def __init__(self, *optimizers: torch.optim.Optimizer) -> None:
+        self.optimizers = optimizers
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [g for o in self.optimizers for g in o.param_groups]
+
+    @property
+    def state(self) -> dict[Any, Any]:
+        return {p: s for o in self.optimizers for p, s in o.state.items()}
+
+    def step(self) -> None:
+        for o in self.optimizers:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none)
+
+
+def _each(opt: Any) -> Any:
+    """What torch's optimizer state-dict helpers take: one optimizer or several."""
+    return opt.optimizers if isinstance(opt, Optimizers) else opt
 
 
 def app_state(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, ema: EMA | None) -> dict[str, Any]:
     state = {
         "model": get_model_state_dict(model),
-        "optim": get_optimizer_state_dict(model, opt),
+        "optim": get_optimizer_state_dict(model, _each(opt)),
         "train": {"step": torch.tensor(step)},
     }
     if ema is not None:
@@ -389,7 +429,7 @@ def worker(rank: int, world_size: int, cfg: TrainConfig) -> None:
                     f"cannot resume: {err} (was it written by a model of another shape, or with another --ema setting?)"
                 ) from None
             set_model_state_dict(model, state["model"])
-            set_optimizer_state_dict(model, opt, state["optim"])
+            set_optimizer_state_dict(model, _each(opt), state["optim"])
             if ema is not None:
                 ema.load_state_dict(state["ema"])
             start = int(state["train"]["step"])

@@ -1,0 +1,172 @@
+"""Muon on sharded matrices: each matrix is orthogonalised whole, once, by one owner rank.
+
+[Note: Sharded Muon]
+Muon's update needs the whole matrix (Newton-Schulz iterations on ``U @ U.T``), while
+FSDP leaves each rank with some rows of it. Gathering every matrix on every rank and
+orthogonalising it everywhere costs a full all-gather and ``world_size`` times the
+compute. Instead, per param group and shard group:
+
+1. Momentum is elementwise, so it stays on the local rows (state ``momentum_buffer`` is
+   a ``DTensor`` sharded like the parameter, as torch's Muon keeps it on DTensors).
+2. Every matrix gets one owner rank, assigned greedily by Newton-Schulz cost
+   (``rows * cols * min(rows, cols)``), the same on every rank.
+3. One ``all_to_all_single`` sends each rank's rows of the update, in bf16 (torch's
+   Newton-Schulz starts by casting to bf16, so this loses nothing), to the owners; each
+   owner stacks the rows (dim-0 shards, in rank order) into the whole matrix.
+4. The owner runs torch's own Newton-Schulz on it.
+5. One more ``all_to_all_single`` returns every rank its rows of the result, which it
+   applies locally (weight decay, then the update with torch's learning-rate adjustment).
+
+Bytes on the wire per step: each matrix's bf16 rows travel to the owner and back, so
+about the fp32 gradient's size in all (at most 2x the matrices' gradient bytes), against
+``world_size - 1`` shards of fp32 per rank for gathering everything everywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+
+__all__ = ["Muon"]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _rows_on(rows: int, world_size: int, rank: int) -> int:
+    chunk = -(-rows // world_size)
+    return max(0, min(chunk, rows - rank * chunk))
+
+
+def _shard_group(p: torch.Tensor) -> dist.ProcessGroup | None:
+    """The group over which ``p``'s rows are split (dim-0 shards), None when this rank holds it whole."""
+    if not isinstance(p, DTensor):
+        return None
+    axes = [axis for axis, placement in enumerate(p.placements) if not placement.is_replicate()]
+    if not axes:
+        return None
+    if len(axes) > 1 or not p.placements[axes[0]].is_shard(0):
+        raise NotImplementedError(
+            f"fullshard.optim.Muon orthogonalises matrices sharded on dim 0 over one mesh axis; got a parameter "
+            f"with placements {p.placements} (tensor parallel is not supported)"
+        )
+    group = p.device_mesh.get_group(axes[0])
+    return None if dist.get_world_size(group) == 1 else group
+
+
+def owners(shapes: list[torch.Size], world_size: int) -> list[int]:
+    """An owner rank per matrix, balancing Newton-Schulz cost (largest first, to the least loaded rank)."""
+    load = [0] * world_size
+    owner = [0] * len(shapes)
+    for i in sorted(range(len(shapes)), key=lambda i: (-shapes[i][0] * shapes[i][1] * min(shapes[i]), i)):
+        rank = min(range(world_size), key=lambda r: (load[r], r))
+        owner[i] = rank
+        load[rank] += shapes[i][0] * shapes[i][1] * min(shapes[i])
+    return owner
+
+
+class Muon(torch.optim.Muon):
+    """``torch.optim.Muon`` (same arguments, param groups, state and ``state_dict()``) for sharded 2-D parameters.
+
+    See [Note: Sharded Muon]. Results equal torch's Muon on the unsharded model up to the
+    order of floating-point sums: the Newton-Schulz iterations are torch's own, run once per
+    matrix on its owner. Parameters that are not ``DTensor``s (or not sharded) are
+    orthogonalised locally. As with torch's, other parameters (embeddings, norms, biases)
+    belong to another optimizer.
+    """
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            updates = []
+            for p in params:
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+                grad, buf = _local(p.grad), _local(state["momentum_buffer"])
+                buf.lerp_(grad, 1 - group["momentum"])
+                updates.append(grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf)
+            ns = (group["ns_coefficients"], group["ns_steps"], group["eps"])
+            for p, rows in zip(params, self._orthogonalise(params, updates, ns)):
+                local = _local(p)
+                local.mul_(1 - group["lr"] * group["weight_decay"])
+                local.add_(rows, alpha=-_adjust_lr(group["lr"], group["adjust_lr_fn"], p.shape))
+        return loss
+
+    def _orthogonalise(self, params: list[torch.Tensor], updates: list[torch.Tensor], ns: tuple[Any, ...]) -> list[torch.Tensor]:
+        """Each parameter's rows of the orthogonalised update (bf16)."""
+        results: list[torch.Tensor | None] = [None] * len(params)
+        by_group: dict[dist.ProcessGroup, list[int]] = {}
+        for i, p in enumerate(params):
+            group = _shard_group(p)
+            if group is None:
+                results[i] = _zeropower_via_newtonschulz(updates[i], *ns)
+            else:
+                by_group.setdefault(group, []).append(i)
+        for group, indices in by_group.items():
+            ortho = _orthogonalise_on(group, [params[i].shape for i in indices], [updates[i] for i in indices], ns)
+            for i, rows in zip(indices, ortho):
+                results[i] = rows
+        return [r for r in results if r is not None]
+
+
+def _orthogonalise_on(
+    group: dist.ProcessGroup, shapes: list[torch.Size], updates: list[torch.Tensor], ns: tuple[Any, ...]
+) -> list[torch.Tensor]:
+    """[Note: Sharded Muon] steps 2-5 for the matrices of one shard group (every rank calls it alike)."""
+    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    owner = owners(shapes, world_size)
+    device = updates[0].device
+    comm_device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else device
+    cols = [shape[1] for shape in shapes]
+
+    def rows(i: int, r: int) -> int:
+        return _rows_on(shapes[i][0], world_size, r)
+
+    # Step 3: my rows of every matrix, grouped by owner.
+    send = torch.cat([updates[i].to(comm_device, torch.bfloat16).reshape(-1)
+                      for dest in range(world_size) for i in range(len(shapes)) if owner[i] == dest] or
+                     [torch.empty(0, dtype=torch.bfloat16, device=comm_device)])
+    send_splits = [sum(rows(i, rank) * cols[i] for i in range(len(shapes)) if owner[i] == dest) for dest in range(world_size)]
+    mine = [i for i in range(len(shapes)) if owner[i] == rank]
+    recv_splits = [sum(rows(i, src) * cols[i] for i in mine) for src in range(world_size)]
+    received = torch.empty(sum(recv_splits), dtype=torch.bfloat16, device=comm_device)
+    dist.all_to_all_single(received, send, recv_splits, send_splits, group=group)
+
+    # Step 4: whole matrices on their owner.
+    pieces: dict[int, list[torch.Tensor]] = {i: [] for i in mine}
+    offset = 0
+    for src in range(world_size):
+        for i in mine:
+            n = rows(i, src) * cols[i]
+            pieces[i].append(received.narrow(0, offset, n).view(rows(i, src), cols[i]))
+            offset += n
+    ortho = {i: _zeropower_via_newtonschulz(torch.cat(pieces[i]), *ns) for i in mine}
+
+    # Step 5: every rank's rows back.
+    starts = {i: [sum(rows(i, r) for r in range(s)) for s in range(world_size)] for i in mine}
+    back = torch.cat([ortho[i].narrow(0, starts[i][dest], rows(i, dest)).reshape(-1)
+                      for dest in range(world_size) for i in mine] or
+                     [torch.empty(0, dtype=torch.bfloat16, device=comm_device)])
+    back_recv = torch.empty(sum(send_splits), dtype=torch.bfloat16, device=comm_device)
+    dist.all_to_all_single(back_recv, back.contiguous(), send_splits, recv_splits, group=group)
+    out: list[torch.Tensor] = [torch.empty(0)] * len(shapes)
+    offset = 0
+    for dest in range(world_size):
+        for i in range(len(shapes)):
+            if owner[i] == dest:
+                n = rows(i, rank) * cols[i]
+                out[i] = back_recv.narrow(0, offset, n).view(rows(i, rank), cols[i]).to(device)
+                offset += n
+    return out

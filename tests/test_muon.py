@@ -1,0 +1,147 @@
+"""fullshard.optim.Muon: whole-matrix Newton-Schulz on an owner rank, against torch.optim.Muon unsharded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.tensor import DTensor
+
+import fullshard
+from fullshard import fully_shard
+from fullshard.muon import owners
+from tests.harness import run_ranks
+from tests.models import MLP, mse_loss
+from tests.parity import full_params, random_batches, regression_batch
+
+BF16_TOL = {"rtol": 2e-2, "atol": 2e-3}  # Newton-Schulz runs in bf16
+
+
+class Pair(torch.optim.Optimizer):
+    """Muon for the 2-D weights, AdamW for the biases (torch's Muon takes matrices only)."""
+
+    def __init__(self, model: nn.Module, muon: type[torch.optim.Optimizer]) -> None:
+        matrices = [p for p in model.parameters() if p.ndim == 2]
+        others = [p for p in model.parameters() if p.ndim != 2]
+        self.muon = muon(matrices, lr=0.02, weight_decay=0.01, momentum=0.9)
+        self.adamw = torch.optim.AdamW(others, lr=1e-2)
+        super().__init__(model.parameters(), {})
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        self.muon.step()
+        self.adamw.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.muon.zero_grad(set_to_none)
+        self.adamw.zero_grad(set_to_none)
+
+
+def _train(model: nn.Module, opt: Pair, batches: list[list[Any]], rank: int | None) -> list[float]:
+    losses = []
+    for step_batches in batches:
+        if rank is None:
+            step_losses = [mse_loss(model, b) for b in step_batches]
+            (sum(step_losses) / len(step_losses)).backward()
+            losses.append([float(x) for x in step_losses])
+        else:
+            loss = mse_loss(model, step_batches[rank])
+            loss.backward()
+            losses.append(float(loss))
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def shard(model: nn.Module) -> nn.Module:
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def _parity(rank: int, world_size: int) -> dict[str, int]:
+    dims = (7, 13, 5, 3)  # weights 13x7, 5x13, 3x5: uneven rows, and ranks with no rows at 4
+    torch.manual_seed(0)
+    ref = MLP(dims)
+    torch.manual_seed(0)
+    model = shard(MLP(dims))
+    batches = random_batches(5, world_size, regression_batch)
+    ref_losses = _train(ref, Pair(ref, torch.optim.Muon), batches, None)
+    calls = {"all_to_all": 0}
+    orig = dist.all_to_all_single
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls["all_to_all"] += 1
+        return orig(*args, **kwargs)
+
+    dist.all_to_all_single = counting  # type: ignore[assignment]
+    try:
+        opt = Pair(model, fullshard.optim.Muon)
+        losses = _train(model, opt, batches, rank)
+    finally:
+        dist.all_to_all_single = orig  # type: ignore[assignment]
+    for step, (loss, ref_step) in enumerate(zip(losses, ref_losses)):
+        assert loss == pytest.approx(ref_step[rank], rel=1e-3), step
+    params = full_params(model)
+    for name, value in full_params(ref).items():
+        torch.testing.assert_close(params[name], value, msg=lambda m: f"{name}: {m}", **BF16_TOL)
+    buf = opt.muon.state[model.layers[0].weight]["momentum_buffer"]
+    assert isinstance(buf, DTensor) and buf.placements == model.layers[0].weight.placements
+    return calls
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_muon_matches_torch_muon_unsharded(world_size: int) -> None:
+    for calls in run_ranks(world_size, _parity):
+        assert calls == {"all_to_all": 2 * 5}  # two all-to-alls per step: rows to the owners and back
+
+
+def test_owners_balance_newton_schulz_cost() -> None:
+    shapes = [torch.Size(s) for s in [(1024, 1024), (1024, 4096), (4096, 1024), (1024, 1024), (64, 64)]]
+    owner = owners(shapes, 2)
+    load = [0, 0]
+    for shape, rank in zip(shapes, owner):
+        load[rank] += shape[0] * shape[1] * min(shape)
+    assert owner == owners(shapes, 2)  # deterministic: every rank computes the same
+    assert max(load) <= 1.5 * min(load), (owner, load)
+
+
+def _save(rank: int, world_size: int, path: str) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = shard(MLP())
+    opt = fullshard.optim.Muon([p for p in model.parameters() if p.ndim == 2], lr=0.02)
+    batches = random_batches(2, world_size, regression_batch)
+    for b in batches:
+        mse_loss(model, b[rank]).backward()
+        opt.step()
+        opt.zero_grad()
+    dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
+    return {n: v.full_tensor() for n, v in _buffers(model, opt).items()}
+
+
+def _buffers(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    return {n: opt.state[p]["momentum_buffer"] for n, p in model.named_parameters() if p in opt.state}
+
+
+def _load(rank: int, world_size: int, path: str) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = shard(MLP())
+    opt = fullshard.optim.Muon([p for p in model.parameters() if p.ndim == 2], lr=0.02)
+    state = {"optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(state, checkpoint_id=path)
+    set_optimizer_state_dict(model, opt, state["optim"])
+    return {n: v.full_tensor() for n, v in _buffers(model, opt).items()}
+
+
+def test_muon_checkpoint_resumes_at_another_world_size(tmp_path: Path) -> None:
+    saved = run_ranks(4, _save, str(tmp_path))[0]
+    loaded = run_ranks(2, _load, str(tmp_path))[0]
+    assert saved.keys() == loaded.keys() and len(saved) == 3
+    for name, value in saved.items():
+        torch.testing.assert_close(loaded[name], value, rtol=0, atol=0, msg=name)
