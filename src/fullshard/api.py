@@ -334,13 +334,6 @@ def _check_params(
     if len(devices) > 1:
         on_meta = [fqns[p] for p in params if p.device.type == "meta"]
         raise ValueError(f"some parameters of one fully_shard group are on the meta device and some are not: {on_meta}")
-    dtypes = {p.dtype for p in params}
-    if len(dtypes) > 1:
-        listing = ", ".join(f"{fqns[p]}: {p.dtype}" for p in params)
-        raise NotImplementedError(
-            f"parameters of one fully_shard group must share a dtype, got {listing}; "
-            "shard modules of different dtypes in separate fully_shard calls"
-        )
 
 
 def _check_tensor_parallel(param: DTensor, fqn: str, mesh_info: MeshInfo) -> None:

@@ -81,7 +81,7 @@ class Codec:
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        return self.group.compute_dtype
+        return self.group.param_compute_dtype(self.param)
 
     def encode(self, chunk: torch.Tensor) -> list[torch.Tensor]:
         return [chunk.to(self.compute_dtype)]
@@ -193,7 +193,7 @@ class ExtensionCodec(Codec):
 
 def make_codecs(group: ParamGroup, policy: QuantizedCommPolicy | None, mp_policy: MixedPrecisionPolicy) -> list[Codec] | None:
     """The group's codecs, or None when every parameter travels plain (the flat all-gather)."""
-    if policy is None and not any(p.extension is not None for p in group.params):
+    if policy is None and not group.mixed and not any(p.extension is not None for p in group.params):
         return None
     info = group.mesh_info
     names = info.mesh.mesh_dim_names

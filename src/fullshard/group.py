@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from enum import Enum, auto
 from typing import Any, cast
@@ -80,6 +81,10 @@ class ParamGroup:
         self.label = ""  # qualified module name, filled in at lazy init
         self.layout = GroupLayout(tuple(p.layout for p in params))
         orig_dtype = params[0].orig_dtype
+        # Parameters of several dtypes ([Note: Mixed dtypes]): byte buffers with typed views.
+        self.mixed = len({p.orig_dtype for p in params}) > 1
+        if self.mixed:
+            orig_dtype = functools.reduce(torch.promote_types, (p.orig_dtype for p in params))
         self._policy_dtypes = (compute_dtype, reduce_dtype)
         self.compute_dtype = compute_dtype or orig_dtype
         self.reduce_dtype = reduce_dtype or self.compute_dtype
@@ -100,11 +105,9 @@ class ParamGroup:
         # buffer; `FSDPModule.to_empty()` / `_apply` re-link them to real memory.
         on_meta = originals[0].device.type == "meta"
         with torch.no_grad():
-            self.flat_shard = torch.empty(
-                self.layout.shard_numel, dtype=orig_dtype, device="meta" if on_meta else self.shard_device,
-                pin_memory=self.pin_memory and not on_meta,
-            )
-            for p, original, chunk in zip(params, originals, self.split(self.flat_shard, self.layout)):
+            self.flat_shard = self._new_flat_shard(orig_dtype, torch.device("meta") if on_meta else self.shard_device,
+                                                   torch.empty, pin=self.pin_memory and not on_meta)
+            for p, original, chunk in zip(params, originals, self.chunks(self.flat_shard)):
                 if not on_meta:
                     p.fill_shard(original.detach(), chunk)
                 p.bind_shard(chunk, requires_grad=original.requires_grad)
@@ -113,16 +116,64 @@ class ParamGroup:
         for p in params:
             p.register(p.sharded)
 
+    # [Note: Mixed dtypes]
+    # A group whose parameters have different dtypes (fp32 norms beside bf16 weights) keeps
+    # its flat shard buffer as bytes, each parameter's chunk a typed view at an offset
+    # aligned to 16 bytes; so is the unsharded buffer unless a param_dtype makes every
+    # parameter compute in one dtype (each parameter otherwise computes in its own dtype).
+    # Such a group all-gathers packed (one collective, see codec.py) and reduce-scatters
+    # once in the promoted dtype of its parameters (or the policy's reduce_dtype); every
+    # sharded gradient is cast to its parameter's dtype.
+
+    def param_compute_dtype(self, p: ShardedParam) -> torch.dtype:
+        """The dtype ``p`` is all-gathered and computed in."""
+        return p.orig_dtype if self.mixed and self._policy_dtypes[0] is None else self.compute_dtype
+
+    def _byte_layout(self, numels: tuple[int, ...], dtypes: list[torch.dtype]) -> tuple[list[int], int]:
+        offsets, total = [], 0
+        for n, dtype in zip(numels, dtypes):
+            offsets.append(total)
+            total += -(-n * dtype.itemsize // 16) * 16
+        return offsets, total
+
+    def _new_flat_shard(self, dtype: torch.dtype, device: torch.device, make: Any, pin: bool) -> torch.Tensor:
+        if not self.mixed:
+            return make(self.layout.shard_numel, dtype=dtype, device=device, pin_memory=pin)
+        _, total = self._byte_layout(self.layout.shard_numels, [p.orig_dtype for p in self.params])
+        return make(total, dtype=torch.uint8, device=device, pin_memory=pin)
+
+    def chunks(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's padded chunk of a flat shard buffer, in its dtype."""
+        if not self.mixed:
+            return self.split(flat, self.layout)
+        dtypes = [p.orig_dtype for p in self.params]
+        offsets, _ = self._byte_layout(self.layout.shard_numels, dtypes)
+        return [flat.narrow(0, off, n * dtype.itemsize).view(dtype)
+                for off, n, dtype in zip(offsets, self.layout.shard_numels, dtypes)]
+
+    def _unsharded_regions(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        if buffer.dtype != torch.uint8 or not self.mixed:
+            return self.split(buffer, self.layout, unsharded=True)
+        dtypes = [self.param_compute_dtype(p) for p in self.params]
+        numels = tuple(p.unsharded_numel for p in self.layout.params)
+        offsets, _ = self._byte_layout(numels, dtypes)
+        return [buffer.narrow(0, off, n * dtype.itemsize).view(dtype) for off, n, dtype in zip(offsets, numels, dtypes)]
+
     def _bind_unsharded_buffer(self) -> None:
-        self.unsharded_buffer = torch.empty(self.layout.unsharded_numel, dtype=self.compute_dtype, device=self.device)
+        if self.mixed and self._policy_dtypes[0] is None:
+            dtypes = [self.param_compute_dtype(p) for p in self.params]
+            _, total = self._byte_layout(tuple(p.unsharded_numel for p in self.layout.params), dtypes)
+            self.unsharded_buffer = torch.empty(total, dtype=torch.uint8, device=self.device)
+        else:
+            self.unsharded_buffer = torch.empty(self.layout.unsharded_numel, dtype=self.compute_dtype, device=self.device)
         # The unsharded parameters view a `.data` alias: it shares the storage but
         # not the version counter, so refilling the buffer in backward does not
         # look like an in-place change of tensors autograd saved in forward.
         alias = self.unsharded_buffer.data
-        for p, region in zip(self.params, self.split(alias, self.layout, unsharded=True)):
+        for p, region in zip(self.params, self._unsharded_regions(alias)):
             p.bind_unsharded(region)
         # Views for the copy-out, made once: they stay valid across storage resizes.
-        self._regions = self.split(self.unsharded_buffer, self.layout, unsharded=True)
+        self._regions = self._unsharded_regions(self.unsharded_buffer)
         world_size = self.layout.world_size
         self._rank_major_regions = [r.view(world_size, -1) for r in self._regions]
         self._dim0_only = all(p.layout.shard_dim == 0 for p in self.params)
@@ -199,9 +250,9 @@ class ParamGroup:
         self.reshard()
         self.streams.shards_written()
         locals_ = [inner_tensor(p.sharded.to_local()) for p in self.params]
-        chunks = self.split(self.flat_shard, self.layout)
-        if self.flat_shard.numel() == self.layout.shard_numel and all(
-            loc.dtype == self.flat_shard.dtype and loc.device == self.flat_shard.device
+        chunks = self.chunks(self.flat_shard)
+        if all(
+            loc.dtype == chunk.dtype and loc.device == self.flat_shard.device
             and loc.untyped_storage().data_ptr() == self.flat_shard.untyped_storage().data_ptr()
             and loc.storage_offset() == p.local_rows(chunk).storage_offset()
             for p, loc, chunk in zip(self.params, locals_, chunks)
@@ -209,8 +260,13 @@ class ParamGroup:
             return
         dtype, device = locals_[0].dtype, locals_[0].device
         pin = self.pin_memory and device.type == "cpu"
-        flat = torch.zeros(self.layout.shard_numel, dtype=dtype, device=device, pin_memory=pin)
-        for p, loc, chunk in zip(self.params, locals_, self.split(flat, self.layout)):
+        for p, loc in zip(self.params, locals_):
+            p.orig_dtype = loc.dtype
+        self.mixed = len({loc.dtype for loc in locals_}) > 1
+        if self.mixed:
+            dtype = functools.reduce(torch.promote_types, (loc.dtype for loc in locals_))
+        flat = self._new_flat_shard(dtype, device, torch.zeros, pin)
+        for p, loc, chunk in zip(self.params, locals_, self.chunks(flat)):
             if device.type != "meta":
                 p.local_rows(chunk).copy_(loc)
             replacement = torch.nn.Parameter(p.as_dtensor_of(p.wrap_local(p.local_rows(chunk))),
@@ -223,7 +279,6 @@ class ParamGroup:
         self.reduce_dtype = policy_reduce or self.compute_dtype
         self._bind_unsharded_buffer()
         for p in self.params:
-            p.orig_dtype = dtype
             p.register(p.sharded)
 
     def remove(self, leaving: list[ShardedParam]) -> None:
@@ -259,8 +314,8 @@ class ParamGroup:
             return
         if self.codecs is not None:
             raise NotImplementedError(
-                f"group {self.label!r}: reshard_after_forward as an int is not supported with all-gather extensions "
-                "or a comm_policy; pass True or False"
+                f"group {self.label!r}: reshard_after_forward as an int is not supported with all-gather extensions, "
+                "a comm_policy or parameters of several dtypes; pass True or False"
             )
         size = dist.get_world_size(group)
         layout = GroupLayout(tuple(ParamLayout(p.shape, p.shard_dim, size) for p in self.layout.params))
@@ -359,7 +414,7 @@ class ParamGroup:
             self.streams.h2d_done = self.streams.record()
         tensors: list[torch.Tensor] = []
         self._part_counts = []
-        for codec, chunk in zip(self.codecs, self.split(flat, self.layout)):
+        for codec, chunk in zip(self.codecs, self.chunks(flat)):
             encoded = codec.encode(chunk)
             self._part_counts.append(len(encoded))
             tensors.extend(encoded)

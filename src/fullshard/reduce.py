@@ -252,6 +252,8 @@ class GradReducer:
             self._layouts[packed] = layout
         params = [p for p, keep in zip(group.params, packed) if keep]
         kept = [g for g, keep in zip(taken, packed) if keep]
+        if group.mixed:  # one reduce dtype for all ([Note: Mixed dtypes] in group.py)
+            kept = [None if g is None else g.to(group.reduce_dtype) for g in kept]
         missing = frozenset(i for i, g in enumerate(kept) if g is None)
         dtype = next(g for g in kept if g is not None).dtype  # packed in one kernel: one dtype
         grads = [g if g is not None else torch.zeros(p.layout.shape, dtype=dtype, device=group.device)
@@ -347,7 +349,7 @@ class GradReducer:
             grads_numel = pending.layout.shard_offsets[-1] if len(pending.layout.params) > len(pending.params) else None
             hooked = reduced if grads_numel is None else reduced.narrow(0, 0, grads_numel)
             streams.wait(run_hook_on(streams, settings.all_reduce_hook_stream, settings.all_reduce_hook, hooked))
-        orig_dtype = group.flat_shard.dtype
+        orig_dtype = reduced.dtype if group.mixed else group.flat_shard.dtype  # mixed: cast per parameter below
         to_host = group.shard_device != group.device
         if reduced.dtype == orig_dtype and not to_host:
             flat_grad = reduced
@@ -366,6 +368,8 @@ class GradReducer:
         chunks = dict(zip(pending.params, group.split(flat_grad, pending.layout)))
         for p in delivered:
             chunk = chunks[p]
+            if chunk.dtype != p.orig_dtype:
+                chunk = chunk.to(p.orig_dtype)
             grad = p.sharded.grad
             if grad is None:
                 p.sharded.grad = p.as_dtensor(chunk)

@@ -1,0 +1,120 @@
+"""One fully_shard group with parameters of several dtypes: bf16 weights beside fp32 norms."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fullshard import MixedPrecisionPolicy, fully_shard
+from fullshard.runtime import state_of
+from tests.comm import CommRecorder
+from tests.harness import run_ranks
+from tests.models import mse_loss
+from tests.parity import random_batches, regression_batch, run_parity
+
+BF16 = torch.bfloat16
+BF16_TOL = {"rtol": 2e-2, "atol": 1e-2}
+
+
+class MixedNet(nn.Module):
+    """bf16 linear layers around an fp32 LayerNorm, as in mixed-precision checkpoints; casts at the seams."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(7, 13).to(BF16)
+        self.norm = nn.LayerNorm(13)
+        self.out = nn.Linear(13, 3).to(BF16)
+        self.scale = nn.Parameter(torch.ones(3, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.inp(x.to(BF16)).float())
+        return (self.out(h.to(BF16)).double() * self.scale).float()
+
+
+def _no_policy(rank: int, world_size: int) -> None:
+    def shard(model: nn.Module) -> None:
+        fully_shard(model)
+
+    _, model = run_parity(rank, world_size, MixedNet, shard, regression_batch, mse_loss, steps=4, **BF16_TOL)
+    dtypes = {name: p.dtype for name, p in model.named_parameters()}
+    assert dtypes == {"inp.weight": BF16, "inp.bias": BF16, "norm.weight": torch.float32, "norm.bias": torch.float32,
+                      "out.weight": BF16, "out.bias": BF16, "scale": torch.float64}
+    rec = CommRecorder(model)
+    batch = random_batches(1, world_size, regression_batch)[0][rank]
+    mse_loss(model, batch).backward()
+    assert rec.count("ag") == 1 and rec.count("rs") == 1, rec.events  # one group, one all-gather, one reduce-scatter
+    for name, p in model.named_parameters():
+        assert p.grad is not None and p.grad.dtype == p.dtype and p.to_local().dtype == p.dtype, name
+    assert state_of(model).group.mixed
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_one_group_of_three_dtypes_trains_with_parity(world_size: int) -> None:
+    run_ranks(world_size, _no_policy)
+
+
+def _with_policy(rank: int, world_size: int) -> None:
+    """With param_dtype every parameter computes in bf16: one mixed group trains exactly like one group per dtype."""
+    policy = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32)
+
+    def one_group(model: nn.Module) -> None:
+        fully_shard(model, mp_policy=policy)
+
+    def grouped(model: nn.Module) -> None:
+        fully_shard([model.inp, model.out], mp_policy=policy)  # bf16
+        fully_shard(model.norm, mp_policy=policy)  # fp32
+        fully_shard(model, mp_policy=policy)  # fp64 scale
+
+    class Net(MixedNet):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # everything arrives in bf16
+            h = self.norm(self.inp(x.to(BF16)))
+            return (self.out(h) * self.scale).float()
+
+    torch.manual_seed(0)
+    a, b = Net(), Net()
+    b.load_state_dict(a.state_dict())
+    one_group(a)
+    grouped(b)
+    for step, batch in enumerate(random_batches(3, world_size, regression_batch)):
+        for model in (a, b):
+            mse_loss(model, batch[rank]).backward()
+        for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+            torch.testing.assert_close(pa.grad.full_tensor(), pb.grad.full_tensor(), rtol=0, atol=0,
+                                       msg=lambda m: f"step {step} {name}: {m}")
+            with torch.no_grad():
+                pa -= 0.1 * pa.grad
+                pb -= 0.1 * pb.grad
+            pa.grad = pb.grad = None
+
+
+def test_mixed_group_with_param_dtype_equals_one_group_per_dtype() -> None:
+    run_ranks(2, _with_policy)
+
+
+def _state_dict_offload_and_meta(rank: int, world_size: int) -> None:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    from fullshard import CPUOffloadPolicy
+
+    torch.manual_seed(0)
+    ref = MixedNet()
+    with torch.device("meta"):
+        model = MixedNet()
+    fully_shard(model, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    model.to_empty(device="cpu")  # relinks the byte buffer on real memory
+    set_model_state_dict(model, ref.state_dict())  # full tensors in, sharded per dtype
+    state = get_model_state_dict(model)
+    for name, value in ref.state_dict().items():
+        assert state[name].dtype == value.dtype, name
+        torch.testing.assert_close(state[name].full_tensor(), value, rtol=0, atol=0, msg=name)
+    batch = random_batches(1, world_size, regression_batch)[0]
+    mse_loss(model, batch[rank]).backward()
+    (sum(mse_loss(ref, b) for b in batch) / world_size).backward()
+    for (name, p), ref_p in zip(model.named_parameters(), ref.parameters()):
+        assert p.grad.to_local().device.type == "cpu" and p.grad.dtype == ref_p.dtype, name
+        torch.testing.assert_close(p.grad.full_tensor(), ref_p.grad, msg=lambda m: f"{name}: {m}", **BF16_TOL)
+
+
+def test_state_dict_offload_and_meta_init() -> None:
+    run_ranks(2, _state_dict_offload_and_meta)
