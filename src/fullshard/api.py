@@ -150,8 +150,9 @@ def fully_shard(
 
     params = list(sites)
     _check_params([p for p in params if p not in ties], fqns, device, mesh_info)
-    layouts = {p: _layout(p, fqns[p], shard_placement_fn, mesh_info) for p in params}
-    tp = {p: TensorParallel.of(cast(DTensor, p), mesh_info, layouts[p].shard_dim) for p in params if _is_tensor_parallel(p, ties)}
+    tp_params = {p for p in params if _is_tensor_parallel(p, ties)}
+    layouts = {p: _layout(p, fqns[p], shard_placement_fn, mesh_info, p in tp_params) for p in params}
+    tp = {p: TensorParallel.of(cast(DTensor, p), mesh_info, layouts[p].shard_dim) for p in tp_params}
     leaving = _check_ties(members, below, layouts, mesh_info, fqns)
     streams = CommStreams(device)
     group = None
@@ -377,7 +378,8 @@ def check_param_device(fqn: str, param_device: torch.device, mesh_dev: torch.dev
 
 
 def _layout(
-    param: torch.Tensor, fqn: str, shard_placement_fn: _ShardPlacementFn | None, mesh_info: MeshInfo
+    param: torch.Tensor, fqn: str, shard_placement_fn: _ShardPlacementFn | None, mesh_info: MeshInfo,
+    tensor_parallel: bool = False,
 ) -> ParamLayout:
     placement = shard_placement_fn(cast(nn.Parameter, param)) if shard_placement_fn is not None else None
     if placement is None:
@@ -391,7 +393,7 @@ def _layout(
             )
     else:
         raise TypeError(f"shard_placement_fn must return a Shard or None, got {placement!r} for {fqn!r}")
-    shape = param.to_local().shape if isinstance(param, DTensor) else param.shape  # tensor parallel: its local piece
+    shape = cast(DTensor, param).to_local().shape if tensor_parallel else param.shape  # tensor parallel: its local piece
     layout = ParamLayout(tuple(shape), dim, mesh_info.shard_size)
     if dim != 0 and not layout.is_even:
         raise UnsupportedError(
