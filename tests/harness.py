@@ -40,7 +40,8 @@ def _mp_context() -> Any:
     global _context
     if _context is None:
         _context = mp.get_context("forkserver")
-        _context.set_forkserver_preload(["torch", "torch.distributed", "fullshard"])
+        # torch._dynamo too: fully_shard wraps its hooks with torch.compiler.disable, which imports it (1-3 s)
+        _context.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "fullshard"])
     return _context
 
 
