@@ -1,6 +1,8 @@
 """Optimizer step + gradient clipping, CPU time: fullshard.optim.AdamW against torch.optim.AdamW on FSDP2's DTensors.
 
-Both models are sharded the same way (one group per block); fullshard's steps
+Both models are sharded the same way (one group per block); fullshard's gradients are
+the flat-buffer views its reduce-scatter delivers (one backward, then filled with the
+same random values), FSDP2's are assigned. fullshard's steps
 ``fullshard.optim.AdamW`` with ``fullshard.clip_grad_norm_``, torch FSDP2's steps
 ``torch.optim.AdamW`` with ``torch.nn.utils.clip_grad_norm_(foreach=True)`` on its
 DTensor parameters; both with foreach kernels, then both with ``fused=True``. Gradients are filled with random values once; each
@@ -53,11 +55,24 @@ def prepare(build: Callable[[], nn.Module], fully_shard: Callable[..., Any], opt
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     gen = torch.Generator().manual_seed(1)
+    if fully_shard is fullshard.fully_shard:
+        # The gradients a backward delivers: views of each group's flat gradient buffer (the fake process group's
+        # reduce-scatter leaves them unwritten); the values are filled in below.
+        model(example_input(model)).float().sum().backward()
     for p in model.parameters():
         local = p.to_local() if isinstance(p, DTensor) else p
         grad = torch.randn(local.shape, generator=gen) * 1e-2
-        p.grad = DTensor.from_local(grad, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
+        if p.grad is not None:
+            p.grad.to_local().copy_(grad)
+        else:
+            p.grad = DTensor.from_local(grad, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
     return model, optim_cls(model.parameters(), lr=1e-4, weight_decay=0.1, **optim_kwargs)
+
+
+def example_input(model: nn.Module) -> torch.Tensor:
+    if isinstance(model, GPT):
+        return torch.randint(0, model.cfg.vocab_size, (1, 8))
+    return torch.randn(2, 64)
 
 
 def main() -> None:

@@ -94,3 +94,26 @@ def test_unsharded_parameters(foreach: bool | None) -> None:
         trained.append(train(Transformer(), batches, lm_loss, rank=0,
                              make_optim=lambda p, cls=cls: cls(p, lr=1e-2, foreach=foreach)).params)
     torch.testing.assert_close(trained[0], trained[1], rtol=1e-6, atol=1e-6)
+
+
+def _flat_steps(rank: int, world_size: int) -> None:
+    """foreach AdamW steps each group's flat buffer as one tensor; its state stays per-parameter DTensor views."""
+    torch.manual_seed(0)
+    model = Transformer()
+    shard("plain", model)
+    opt = fullshard.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, random_batches(2, world_size, token_batch), lm_loss, rank=rank, optim=opt)
+    block = list(model.blocks[0].parameters())
+    storages = {opt.state[p]["exp_avg"].to_local().untyped_storage().data_ptr() for p in block}
+    assert len(storages) == 1  # one flat buffer for the whole group
+    assert all(isinstance(opt.state[p]["exp_avg"], DTensor) for p in block)
+    assert len({float(opt.state[p]["step"]) for p in model.parameters()}) == 1
+    # A loaded state dict (new tensors) is taken into fresh flat buffers at the next step.
+    opt.load_state_dict(opt.state_dict())
+    train(model, random_batches(1, world_size, token_batch, seed=5), lm_loss, rank=rank, optim=opt)
+    assert len({opt.state[p]["exp_avg_sq"].to_local().untyped_storage().data_ptr() for p in block}) == 1
+    assert {float(opt.state[p]["step"]) for p in model.parameters()} == {3.0}
+
+
+def test_foreach_adamw_steps_flat_buffers() -> None:
+    run_ranks(2, _flat_steps)

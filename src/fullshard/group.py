@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass
 from enum import Enum, auto
 from typing import Any, cast
@@ -51,6 +52,18 @@ class PostForwardShard:
     group: dist.ProcessGroup
     rank: int
     buffer: torch.Tensor
+
+
+# Sharded parameter (by id) -> the group whose flat shard buffer holds it; weak both ways.
+_owners: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[ParamGroup]]] = {}
+
+
+def group_of(param: torch.Tensor) -> ParamGroup | None:
+    """The group that shards ``param`` (a sharded parameter), if any."""
+    entry = _owners.get(id(param))
+    if entry is None or entry[0]() is not param:
+        return None
+    return entry[1]()
 
 
 class ParamGroup:
@@ -115,6 +128,7 @@ class ParamGroup:
         self.state = ShardedState.SHARDED
         for p in params:
             p.register(p.sharded)
+            _owners[id(p.sharded)] = (weakref.ref(p.sharded), weakref.ref(self))
 
     # [Note: Mixed dtypes]
     # A group whose parameters have different dtypes (fp32 norms beside bf16 weights) keeps

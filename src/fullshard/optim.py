@@ -18,6 +18,7 @@ and parameter). Plain (unsharded) parameters work too. ``capturable`` and
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam as _adam
 from torch.optim.sgd import sgd as _sgd
+
+from fullshard.group import group_of
 
 __all__ = ["SGD", "Adam", "AdamW", "Muon"]
 
@@ -51,27 +54,34 @@ class _LocalAdamStep:
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> Any:
-        if any(_torch_steps(g) for g in self.param_groups):
+        if any(_torch_steps(g) for g in self.param_groups) or any(
+            torch.is_complex(p) for g in self.param_groups for p in g["params"]
+        ):
             return super().step(closure)  # type: ignore[misc]
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("Adam does not support sparse gradients, please consider SparseAdam instead")
-                if torch.is_complex(p):
-                    return super().step(closure)  # type: ignore[misc]
+            with_grad = [p for p in group["params"] if p.grad is not None]
+            if any(p.grad.is_sparse for p in with_grad):
+                raise RuntimeError("Adam does not support sparse gradients, please consider SparseAdam instead")
+            # Flat steps with foreach kernels only: torch's fused CPU kernel rounds elements differently
+            # where its vector/scalar boundaries move (a flat buffer is one long tensor), by up to ~1e-6.
+            flat_runs, per_tensor = _flat_runs(with_grad) if _foreach(group) and not group.get("fused") else ([], with_grad)
+            for run in flat_runs:
+                self._flat_step(group, *run)
+            params: list[torch.Tensor] = []
+            grads: list[torch.Tensor] = []
+            exp_avgs: list[torch.Tensor] = []
+            exp_avg_sqs: list[torch.Tensor] = []
+            max_exp_avg_sqs: list[torch.Tensor] = []
+            steps: list[torch.Tensor] = []
+            for p in per_tensor:
+                assert p.grad is not None
                 state = self.state[p]
                 if not state:
-                    # As torch: a CPU scalar (fused: on the parameter's device), float64 only under a float64 default.
-                    double = torch.get_default_dtype() == torch.float64 and not group.get("fused")
-                    state["step"] = torch.tensor(0.0, dtype=torch.float64 if double else torch.float32,
-                                                 device=_local(p).device if group.get("fused") else "cpu")
+                    state["step"] = self._new_step(group, p)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     if group["amsgrad"]:
@@ -83,18 +93,129 @@ class _LocalAdamStep:
                 if group["amsgrad"]:
                     max_exp_avg_sqs.append(_local(state["max_exp_avg_sq"]))
                 steps.append(state["step"])
-            if not params:
-                continue
-            beta1, beta2 = group["betas"]
-            fused = bool(group.get("fused"))
-            _adam(
-                params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
-                foreach=_foreach(group) and not fused, fused=fused or None,
-                decoupled_weight_decay=group.get("decoupled_weight_decay", False),
-                amsgrad=group["amsgrad"], beta1=beta1, beta2=beta2, lr=group["lr"],
-                weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
-            )
+            if params:
+                _adam_update(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
         return loss
+
+    def _new_step(self, group: dict[str, Any], p: torch.Tensor) -> torch.Tensor:
+        # As torch: a CPU scalar (fused: on the parameter's device), float64 only under a float64 default.
+        double = torch.get_default_dtype() == torch.float64 and not group.get("fused")
+        return torch.tensor(0.0, dtype=torch.float64 if double else torch.float32,
+                            device=_local(p).device if group.get("fused") else "cpu")
+
+    def _flat_step(self, group: dict[str, Any], owner: Any, flat_param: torch.Tensor, flat_grad: torch.Tensor) -> None:
+        """One Adam update over a whole flat shard buffer ([Note: Flat optimizer steps])."""
+        keys = ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"] if group["amsgrad"] else ["exp_avg", "exp_avg_sq"]
+        flats = self._flat_state(owner, flat_param, keys)
+        states = [self.state[sp.sharded] for sp in owner.params]
+        for state in states:
+            if "step" not in state:
+                state["step"] = self._new_step(group, owner.params[0].sharded)
+        first = states[0]["step"]
+        _adam_update(group, [flat_param], [flat_grad], [flats[keys[0]]], [flats[keys[1]]],
+                     [flats[keys[2]]] if group["amsgrad"] else [], [first])
+        for state in states[1:]:
+            state["step"].copy_(first)
+
+    def _flat_state(self, owner: Any, flat_param: torch.Tensor, keys: list[str]) -> dict[str, torch.Tensor]:
+        """The group's flat state buffers; each parameter's state entries are DTensor views of them.
+
+        Made on the first step, and again when a state entry is no longer the view made here
+        (``load_state_dict`` put new tensors there): their values are copied in first.
+        """
+        cache: dict[int, Any] = self.__dict__.setdefault("_flat_buffers", {})
+        entry = cache.get(id(owner))
+        if entry is not None and entry[0]() is owner and entry[1].keys() == set(keys) and all(
+            self.state[sp.sharded].get(key) is view for sp, views in zip(owner.params, entry[2]) for key, view in views.items()
+        ):
+            return dict(entry[1])
+        flats = {key: torch.zeros_like(flat_param) for key in keys}
+        made = []
+        for sp, chunk in zip(owner.params, owner.chunks(flat_param)):
+            state = self.state[sp.sharded]
+            offset = chunk.storage_offset() - flat_param.storage_offset()
+            views = {}
+            for key in keys:
+                rows = sp.local_rows(flats[key].narrow(0, offset, chunk.numel()))
+                if key in state:
+                    rows.copy_(_local(state[key]))
+                state[key] = views[key] = sp.as_dtensor_of(rows)
+            made.append(views)
+        cache[id(owner)] = (weakref.ref(owner), flats, made)
+        return flats
+
+
+# [Note: Flat optimizer steps]
+# A fullshard group keeps its shards in one flat buffer, and the reduce-scatter
+# delivers its gradients as views of one flat buffer laid out alike (padding zero).
+# When every parameter of a group is in one param group and has such a gradient, Adam
+# (and AdamW) with foreach kernels steps the whole flat buffer as one tensor - one
+# kernel per group instead of one per parameter - with its state in flat buffers too; each
+# parameter's state entries are DTensor views of those (the state_dict() layout is
+# unchanged). Padding stays zero (zero gradient, zero moments). Anything else (a
+# gradient assigned by hand, a parameter without one, parameters of several dtypes)
+# takes the per-tensor path; the arithmetic is the same elementwise either way.
+
+
+def _flat_runs(params: list[torch.Tensor]) -> tuple[list[tuple[Any, torch.Tensor, torch.Tensor]], list[torch.Tensor]]:
+    """Split ``params`` into whole fullshard groups steppable flat (group, flat params, flat grads) and the rest."""
+    by_group: dict[int, tuple[Any, list[torch.Tensor]]] = {}
+    rest: list[torch.Tensor] = []
+    for p in params:
+        owner = group_of(p) if isinstance(p, DTensor) else None
+        if owner is None:
+            rest.append(p)
+        else:
+            by_group.setdefault(id(owner), (owner, []))[1].append(p)
+    runs = []
+    for owner, members in by_group.values():
+        flat = _flat_views(owner, members)
+        if flat is None:
+            rest.extend(members)
+        else:
+            runs.append((owner, *flat))
+    return runs, rest
+
+
+def _flat_views(owner: Any, members: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    if len(members) != len(owner.params) or owner.mixed or any(sp.extension is not None for sp in owner.params):
+        return None
+    flat = owner.flat_shard
+    if flat.is_complex() or not flat.is_floating_point():
+        return None
+    delta, storage = None, None
+    for sp in owner.params:
+        grad = sp.sharded.grad
+        if grad is None or not isinstance(grad, DTensor):
+            return None
+        local, param = grad._local_tensor, sp.sharded._local_tensor
+        if local.dtype != flat.dtype or local.device != flat.device or local.stride() != param.stride():
+            return None
+        ptr = local.untyped_storage().data_ptr()
+        shift = local.storage_offset() - param.storage_offset()
+        if storage is None:
+            storage, delta = ptr, shift
+        elif ptr != storage or shift != delta:
+            return None
+    assert delta is not None
+    first = owner.params[0].sharded.grad._local_tensor
+    start = flat.storage_offset() + delta
+    if start < 0 or (start + flat.numel()) * flat.element_size() > first.untyped_storage().nbytes():
+        return None
+    return flat, torch.as_strided(first, (flat.numel(),), (1,), start)
+
+
+def _adam_update(group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                 exp_avg_sqs: list[torch.Tensor], max_exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor]) -> None:
+    beta1, beta2 = group["betas"]
+    fused = bool(group.get("fused"))
+    _adam(
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
+        foreach=_foreach(group) and not fused, fused=fused or None,
+        decoupled_weight_decay=group.get("decoupled_weight_decay", False),
+        amsgrad=group["amsgrad"], beta1=beta1, beta2=beta2, lr=group["lr"],
+        weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
+    )
 
 
 class Adam(_LocalAdamStep, torch.optim.Adam):
