@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from fullshard.errors import expect_module
+from fullshard.optim import flat_runs
 from fullshard.runtime import TrainingState, states_in
 
 # ---- summon_full_params --------------------------------------------------------------------------
@@ -118,10 +119,18 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     infinite = math.isinf(norm_type)
     # Local pieces by (mesh, axes they are sharded over); plain gradients under (None, ()).
     buckets: dict[tuple[DeviceMesh | None, tuple[int, ...]], list[torch.Tensor]] = {}
-    for p in model.parameters():
+    # A whole group's gradients delivered as views of one flat buffer count as one tensor (zero padding).
+    runs, single = flat_runs([p for p in model.parameters() if p.grad is not None])
+    for owner, _, flat_grad in runs:
+        grads = [sp.sharded.grad for sp in owner.params]
+        first = grads[0]
+        if all(g.placements == first.placements and g.device_mesh == first.device_mesh for g in grads):
+            buckets.setdefault((first.device_mesh, _sharded_axes(first)), []).append(flat_grad)
+        else:  # tensor parallel: placements differ within the group
+            single.extend(sp.sharded for sp in owner.params)
+    for p in single:
         grad = p.grad
-        if grad is None:
-            continue
+        assert grad is not None
         if isinstance(grad, DTensor):
             buckets.setdefault((grad.device_mesh, _sharded_axes(grad)), []).append(grad._local_tensor)
         else:

@@ -54,16 +54,17 @@ class PostForwardShard:
     buffer: torch.Tensor
 
 
-# Sharded parameter (by id) -> the group whose flat shard buffer holds it; weak both ways.
-_owners: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[ParamGroup]]] = {}
+# Sharded parameter (by id) -> the group whose flat shard buffer holds it. No reference to the
+# parameter itself (a weak one would forbid torch.utils.swap_tensors): a live group keeps its
+# parameters alive, so an id it lists is still that parameter's.
+_owners: dict[int, weakref.ref[ParamGroup]] = {}
 
 
 def group_of(param: torch.Tensor) -> ParamGroup | None:
     """The group that shards ``param`` (a sharded parameter), if any."""
     entry = _owners.get(id(param))
-    if entry is None or entry[0]() is not param:
-        return None
-    return entry[1]()
+    group = entry() if entry is not None else None
+    return group if group is not None and id(param) in group.sharded_ids else None
 
 
 class ParamGroup:
@@ -126,9 +127,14 @@ class ParamGroup:
                 p.bind_shard(chunk, requires_grad=original.requires_grad)
             self._bind_unsharded_buffer()
         self.state = ShardedState.SHARDED
+        self._register_owner()
         for p in params:
             p.register(p.sharded)
-            _owners[id(p.sharded)] = (weakref.ref(p.sharded), weakref.ref(self))
+
+    def _register_owner(self) -> None:
+        self.sharded_ids = frozenset(id(p.sharded) for p in self.params)
+        for p in self.params:
+            _owners[id(p.sharded)] = weakref.ref(self)
 
     # [Note: Mixed dtypes]
     # A group whose parameters have different dtypes (fp32 norms beside bf16 weights) keeps
@@ -303,6 +309,7 @@ class ParamGroup:
         if self.state is not ShardedState.SHARDED:
             raise AssertionError(f"group {self.label!r}: removing parameters in state {self.state.name}")
         self.params = [p for p in self.params if p not in leaving]
+        self._register_owner()
         self.layout = GroupLayout(tuple(p.layout for p in self.params))
         settings = self.reducer.settings
         self.reducer = GradReducer(self)  # its cached gradient layouts were cut for the old parameter list

@@ -68,8 +68,8 @@ class _LocalAdamStep:
                 raise RuntimeError("Adam does not support sparse gradients, please consider SparseAdam instead")
             # Flat steps with foreach kernels only: torch's fused CPU kernel rounds elements differently
             # where its vector/scalar boundaries move (a flat buffer is one long tensor), by up to ~1e-6.
-            flat_runs, per_tensor = _flat_runs(with_grad) if _foreach(group) and not group.get("fused") else ([], with_grad)
-            for run in flat_runs:
+            runs, per_tensor = flat_runs(with_grad) if _foreach(group) and not group.get("fused") else ([], with_grad)
+            for run in runs:
                 self._flat_step(group, *run)
             params: list[torch.Tensor] = []
             grads: list[torch.Tensor] = []
@@ -157,7 +157,7 @@ class _LocalAdamStep:
 # takes the per-tensor path; the arithmetic is the same elementwise either way.
 
 
-def _flat_runs(params: list[torch.Tensor]) -> tuple[list[tuple[Any, torch.Tensor, torch.Tensor]], list[torch.Tensor]]:
+def flat_runs(params: list[torch.Tensor]) -> tuple[list[tuple[Any, torch.Tensor, torch.Tensor]], list[torch.Tensor]]:
     """Split ``params`` into whole fullshard groups steppable flat (group, flat params, flat grads) and the rest."""
     by_group: dict[int, tuple[Any, list[torch.Tensor]]] = {}
     rest: list[torch.Tensor] = []
