@@ -18,8 +18,8 @@ from tests.models import Transformer, lm_loss, mse_loss
 from tests.parity import regression_batch, run_parity, token_batch
 
 
-class CountingAllGather(AllGather):
-    """torch's AllGather interface: allocates the output, runs the collective; counts both."""
+class CountingAllocations:
+    """torch's Comm ``allocate``, counting the sizes asked for; subclasses count their calls."""
 
     def __init__(self) -> None:
         self.allocated: list[tuple[int, ...]] = []
@@ -28,20 +28,17 @@ class CountingAllGather(AllGather):
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         self.allocated.append(tuple(size))
         return torch.empty(*size, dtype=dtype, device=device)
+
+
+class CountingAllGather(CountingAllocations, AllGather):
+    """torch's AllGather interface: allocates the output, runs the collective; counts both."""
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False) -> Any:
         self.calls += 1
         return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
-class CountingReduceScatter(ReduceScatter):
-    def __init__(self) -> None:
-        self.allocated: list[tuple[int, ...]] = []
-        self.calls = 0
-
-    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        self.allocated.append(tuple(size))
-        return torch.empty(*size, dtype=dtype, device=device)
+class CountingReduceScatter(CountingAllocations, ReduceScatter):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
                  async_op: bool = False) -> Any:

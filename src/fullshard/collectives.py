@@ -213,24 +213,31 @@ def all_gather(
             inp.copy_(flat_shard, non_blocking=True)
             if flat_shard.device != device:
                 streams.h2d_done = streams.record()
-        if world_size == 1:
-            output = inp
-        elif comm is not None:
-            output = comm.allocate((world_size * flat_shard.numel(),), dtype=dtype, device=device)
-        else:
-            output = torch.empty(world_size * flat_shard.numel(), dtype=dtype, device=device)
-        work, index = None, 0
-        if world_size > 1 and inp.numel():
-            if comm is not None:
-                work = comm(output, inp, group, async_op=True)
-            else:
-                work = _all_gather_single(output, inp, group=group, async_op=True)
-            index = failures.issued("all-gather", label, inp.numel())
+        output, work, index = _issue_all_gather(inp, world_size, group, label, comm)
         # `work.wait()` orders the waiter after the collective, but not after the copy-in when no collective
         # runs (one rank, no elements): the event covers that (and states the order to stream checkers).
         issued = streams.record()
     return PendingCollective(work, output, (inp, output), issued=issued, what=f"all-gather of group {label!r}", group=group,
                              index=index)
+
+
+def _issue_all_gather(
+    inp: torch.Tensor, world_size: int, group: dist.ProcessGroup | None, label: str, comm: Any
+) -> tuple[torch.Tensor, dist.Work | None, int]:
+    """Allocate the rank-major output (by ``comm`` when given) and issue the all-gather of ``inp`` into it."""
+    if world_size == 1:
+        return inp, None, 0
+    if comm is not None:
+        output = comm.allocate((world_size * inp.numel(),), dtype=inp.dtype, device=inp.device)
+    else:
+        output = torch.empty(world_size * inp.numel(), dtype=inp.dtype, device=inp.device)
+    if not inp.numel():
+        return output, None, 0
+    if comm is not None:
+        work = comm(output, inp, group, async_op=True)
+    else:
+        work = _all_gather_single(output, inp, group=group, async_op=True)
+    return output, work, failures.issued("all-gather", label, inp.numel())
 
 
 def all_gather_packed(
@@ -259,17 +266,7 @@ def all_gather_packed(
         for t, (offset, nbytes, dtype) in zip(tensors, parts):
             inp.narrow(0, offset, nbytes).view(dtype).copy_(t.reshape(-1))
         del tensors
-        if world_size == 1:
-            output = inp
-        elif comm is not None:
-            output = comm.allocate((world_size * total,), dtype=torch.uint8, device=device)
-        else:
-            output = torch.empty(world_size * total, dtype=torch.uint8, device=device)
-        work, index = None, 0
-        if world_size > 1 and total:
-            work = (comm(output, inp, group, async_op=True) if comm is not None
-                    else _all_gather_single(output, inp, group=group, async_op=True))
-            index = failures.issued("all-gather", label, total)
+        output, work, index = _issue_all_gather(inp, world_size, group, label, comm)
         issued = streams.record()
     return PendingCollective(work, output, (inp, output), issued=issued, what=f"all-gather of group {label!r}",
                              group=group, index=index, parts=tuple(parts))
