@@ -117,3 +117,48 @@ def _flat_steps(rank: int, world_size: int) -> None:
 
 def test_foreach_adamw_steps_flat_buffers() -> None:
     run_ranks(2, _flat_steps)
+
+
+def _flat_runs_follow_gradients(rank: int, world_size: int) -> None:
+    """Which gradients step flat: the reduce-scatter's (also accumulated), views placed in the flat layout by
+    hand; not a group with a replaced gradient. Each case steps exactly as torch's AdamW on the DTensors."""
+    from fullshard.optim import flat_runs
+
+    def backward(model: torch.nn.Module, seed: int) -> None:
+        lm_loss(model, random_batches(1, world_size, token_batch, seed=seed)[0][rank]).backward()
+
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = Transformer()
+        shard("plain", model)
+        models.append(model)
+    ours, theirs = models
+    opts = (fullshard.optim.AdamW(ours.parameters(), lr=1e-2, weight_decay=0.1),
+            torch.optim.AdamW(theirs.parameters(), lr=1e-2, weight_decay=0.1, foreach=True))
+    n_groups = len(ours.blocks) + 1
+    for step, edit in enumerate(["none", "accumulate", "replace", "views"]):
+        for model in models:
+            backward(model, step)
+            if edit == "accumulate":
+                backward(model, step + 10)
+        block = list(ours.blocks[0].parameters())
+        if edit == "replace":  # a new tensor: this group steps per parameter
+            block[0].grad = block[0].grad.clone()
+        elif edit == "views":  # new DTensors over the same local views: found by their placement in one buffer
+            for p in block:
+                p.grad = DTensor.from_local(p.grad.to_local(), p.device_mesh, p.placements, shape=p.shape,
+                                            stride=p.stride(), run_check=False)
+        runs, rest = flat_runs([p for p in ours.parameters() if p.grad is not None])
+        flat_groups = n_groups - 1 if edit == "replace" else n_groups
+        assert len(runs) == flat_groups, (edit, len(runs))
+        assert {id(p) for p in rest} == ({id(p) for p in block} if edit == "replace" else set())
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        for (name, a), b in zip(ours.named_parameters(), theirs.parameters()):
+            torch.testing.assert_close(full(a), full(b), rtol=1e-6, atol=1e-6, msg=lambda m: f"{edit} {name}: {m}")
+
+
+def test_flat_runs_follow_gradients() -> None:
+    run_ranks(2, _flat_runs_follow_gradients)

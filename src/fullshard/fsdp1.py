@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from fullshard.errors import expect_module
 from fullshard.optim import flat_runs
+from fullshard.param import sharded_axes
 from fullshard.runtime import TrainingState, states_in
 
 # ---- summon_full_params --------------------------------------------------------------------------
@@ -88,11 +89,6 @@ def no_sync(model: nn.Module) -> Iterator[None]:
 # ---- clip_grad_norm_ -----------------------------------------------------------------------------------
 
 
-def _sharded_axes(grad: DTensor) -> tuple[int, ...]:
-    """Mesh axes over which ``grad``'s local pieces are disjoint (Shard, or the _StridedShard of FSDP + TP)."""
-    return tuple(axis for axis, placement in enumerate(grad.placements) if not placement.is_replicate())
-
-
 def _reduce_device(group: dist.ProcessGroup, device: torch.device) -> torch.device:
     # NCCL reduces device tensors only (offloaded gradients live on CPU).
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else device
@@ -122,17 +118,17 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     # A whole group's gradients delivered as views of one flat buffer count as one tensor (zero padding).
     runs, single = flat_runs([p for p in model.parameters() if p.grad is not None])
     for owner, _, flat_grad in runs:
-        grads = [sp.sharded.grad for sp in owner.params]
-        first = grads[0]
-        if all(g.placements == first.placements and g.device_mesh == first.device_mesh for g in grads):
-            buckets.setdefault((first.device_mesh, _sharded_axes(first)), []).append(flat_grad)
+        # The flat gradient sits where the flat shard does: it is sharded as the parameters are.
+        key = owner.placement_key
+        if key is not None:
+            buckets.setdefault(key, []).append(flat_grad)
         else:  # tensor parallel: placements differ within the group
             single.extend(sp.sharded for sp in owner.params)
     for p in single:
         grad = p.grad
         assert grad is not None
         if isinstance(grad, DTensor):
-            buckets.setdefault((grad.device_mesh, _sharded_axes(grad)), []).append(grad._local_tensor)
+            buckets.setdefault((grad.device_mesh, sharded_axes(grad.placements)), []).append(grad._local_tensor)
         else:
             buckets.setdefault((None, ()), []).append(grad)
     locals_ = [g for bucket in buckets.values() for g in bucket]

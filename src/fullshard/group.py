@@ -18,7 +18,7 @@ from fullshard.collectives import CommStreams, PendingCollective, all_gather, al
 from fullshard.errors import MetaParameterError
 from fullshard.layout import GroupLayout, ParamLayout
 from fullshard.mesh import MeshInfo
-from fullshard.param import ShardedParam, full_tensor, inner_tensor, rank_axis_view
+from fullshard.param import ShardedParam, full_tensor, inner_tensor, rank_axis_view, sharded_axes
 from fullshard.reduce import GradReducer
 
 
@@ -133,6 +133,7 @@ class ParamGroup:
 
     def _register_owner(self) -> None:
         self.sharded_ids = frozenset(id(p.sharded) for p in self.params)
+        self.weak_self = weakref.ref(self)
         for p in self.params:
             _owners[id(p.sharded)] = weakref.ref(self)
 
@@ -161,6 +162,21 @@ class ParamGroup:
             return make(self.layout.shard_numel, dtype=dtype, device=device, pin_memory=pin)
         _, total = self._byte_layout(self.layout.shard_numels, [p.orig_dtype for p in self.params])
         return make(total, dtype=torch.uint8, device=device, pin_memory=pin)
+
+    @functools.cached_property
+    def placement_key(self) -> tuple[Any, tuple[int, ...]] | None:
+        """(mesh, mesh axes the shards are disjoint over) shared by every parameter, or None (tensor parallel)."""
+        first = self.params[0].sharded
+        if any(p.sharded.placements != first.placements or p.sharded.device_mesh != first.device_mesh for p in self.params):
+            return None
+        return first.device_mesh, sharded_axes(first.placements)
+
+    @property
+    def flat_steppable(self) -> bool:
+        """Whether an elementwise optimizer may step the flat shard as one tensor ([Note: Flat optimizer steps])."""
+        flat = self.flat_shard
+        return (not self.mixed and flat.is_floating_point() and not flat.is_complex()
+                and all(p.extension is None for p in self.params))
 
     def chunks(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each parameter's padded chunk of a flat shard buffer, in its dtype."""

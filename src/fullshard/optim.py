@@ -28,6 +28,7 @@ from torch.optim.adam import adam as _adam
 from torch.optim.sgd import sgd as _sgd
 
 from fullshard.group import group_of
+from fullshard.param import FLAT_GRAD, FlatGrad
 
 __all__ = ["SGD", "Adam", "AdamW", "Muon"]
 
@@ -69,14 +70,30 @@ class _LocalAdamStep:
             # Flat steps with foreach kernels only: torch's fused CPU kernel rounds elements differently
             # where its vector/scalar boundaries move (a flat buffer is one long tensor), by up to ~1e-6.
             runs, per_tensor = flat_runs(with_grad) if _foreach(group) and not group.get("fused") else ([], with_grad)
-            for run in runs:
-                self._flat_step(group, *run)
             params: list[torch.Tensor] = []
             grads: list[torch.Tensor] = []
             exp_avgs: list[torch.Tensor] = []
             exp_avg_sqs: list[torch.Tensor] = []
             max_exp_avg_sqs: list[torch.Tensor] = []
             steps: list[torch.Tensor] = []
+            shared_steps: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+            for owner, flat_param, flat_grad in runs:
+                keys = ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"] if group["amsgrad"] else ["exp_avg", "exp_avg_sq"]
+                flats = self._flat_state(owner, flat_param, keys)
+                states = [self.state[sp.sharded] for sp in owner.params]
+                for state in states:
+                    if "step" not in state:
+                        state["step"] = self._new_step(group, owner.params[0].sharded)
+                params.append(flat_param)
+                grads.append(flat_grad)
+                exp_avgs.append(flats["exp_avg"])
+                exp_avg_sqs.append(flats["exp_avg_sq"])
+                if group["amsgrad"]:
+                    max_exp_avg_sqs.append(flats["max_exp_avg_sq"])
+                steps.append(states[0]["step"])
+                for state in states[1:]:  # every parameter's step counter follows the group's first
+                    shared_steps[0].append(state["step"])
+                    shared_steps[1].append(states[0]["step"])
             for p in per_tensor:
                 assert p.grad is not None
                 state = self.state[p]
@@ -95,6 +112,8 @@ class _LocalAdamStep:
                 steps.append(state["step"])
             if params:
                 _adam_update(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
+            if shared_steps[0]:
+                torch._foreach_copy_(*shared_steps)
         return loss
 
     def _new_step(self, group: dict[str, Any], p: torch.Tensor) -> torch.Tensor:
@@ -102,20 +121,6 @@ class _LocalAdamStep:
         double = torch.get_default_dtype() == torch.float64 and not group.get("fused")
         return torch.tensor(0.0, dtype=torch.float64 if double else torch.float32,
                             device=_local(p).device if group.get("fused") else "cpu")
-
-    def _flat_step(self, group: dict[str, Any], owner: Any, flat_param: torch.Tensor, flat_grad: torch.Tensor) -> None:
-        """One Adam update over a whole flat shard buffer ([Note: Flat optimizer steps])."""
-        keys = ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"] if group["amsgrad"] else ["exp_avg", "exp_avg_sq"]
-        flats = self._flat_state(owner, flat_param, keys)
-        states = [self.state[sp.sharded] for sp in owner.params]
-        for state in states:
-            if "step" not in state:
-                state["step"] = self._new_step(group, owner.params[0].sharded)
-        first = states[0]["step"]
-        _adam_update(group, [flat_param], [flat_grad], [flats[keys[0]]], [flats[keys[1]]],
-                     [flats[keys[2]]] if group["amsgrad"] else [], [first])
-        for state in states[1:]:
-            state["step"].copy_(first)
 
     def _flat_state(self, owner: Any, flat_param: torch.Tensor, keys: list[str]) -> dict[str, torch.Tensor]:
         """The group's flat state buffers; each parameter's state entries are DTensor views of them.
@@ -159,15 +164,31 @@ class _LocalAdamStep:
 
 def flat_runs(params: list[torch.Tensor]) -> tuple[list[tuple[Any, torch.Tensor, torch.Tensor]], list[torch.Tensor]]:
     """Split ``params`` into whole fullshard groups steppable flat (group, flat params, flat grads) and the rest."""
-    by_group: dict[int, tuple[Any, list[torch.Tensor]]] = {}
-    rest: list[torch.Tensor] = []
+    marked: dict[int, tuple[FlatGrad, list[torch.Tensor]]] = {}
+    unmarked: list[torch.Tensor] = []
     for p in params:
+        mark = getattr(p.grad, FLAT_GRAD, None)
+        if mark is None:
+            unmarked.append(p)
+        else:
+            marked.setdefault(id(mark), (mark, []))[1].append(p)
+    runs, rest = [], []
+    for mark, members in marked.values():
+        owner = mark.group()
+        # The reduce-scatter marked these gradients fresh; they are still every parameter's of the group.
+        if owner is not None and len(members) == len(owner.params) and owner.sharded_ids.issuperset(map(id, members)) \
+                and mark.flat.numel() == owner.flat_shard.numel():
+            runs.append((owner, owner.flat_shard, mark.flat))
+        else:
+            unmarked.extend(members)
+    # Gradients placed by other means may still be views of one buffer laid out as the flat shard.
+    by_group: dict[int, tuple[Any, list[torch.Tensor]]] = {}
+    for p in unmarked:
         owner = group_of(p) if isinstance(p, DTensor) else None
         if owner is None:
             rest.append(p)
         else:
             by_group.setdefault(id(owner), (owner, []))[1].append(p)
-    runs = []
     for owner, members in by_group.values():
         flat = _flat_views(owner, members)
         if flat is None:
@@ -178,31 +199,30 @@ def flat_runs(params: list[torch.Tensor]) -> tuple[list[tuple[Any, torch.Tensor,
 
 
 def _flat_views(owner: Any, members: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
-    if len(members) != len(owner.params) or owner.mixed or any(sp.extension is not None for sp in owner.params):
+    if len(members) != len(owner.params) or not owner.flat_steppable:
         return None
     flat = owner.flat_shard
-    if flat.is_complex() or not flat.is_floating_point():
-        return None
-    delta, storage = None, None
+    # Each gradient must sit where its parameter sits in the flat shard, in one buffer: the address its
+    # parameter's offset implies for the buffer's start is the same for all (checked against one storage below).
+    dtype, size, base = flat.dtype, flat.element_size(), None
     for sp in owner.params:
         grad = sp.sharded.grad
-        if grad is None or not isinstance(grad, DTensor):
+        if not isinstance(grad, DTensor):
             return None
         local, param = grad._local_tensor, sp.sharded._local_tensor
-        if local.dtype != flat.dtype or local.device != flat.device or local.stride() != param.stride():
+        if local.dtype != dtype or local.stride() != param.stride():
             return None
-        ptr = local.untyped_storage().data_ptr()
-        shift = local.storage_offset() - param.storage_offset()
-        if storage is None:
-            storage, delta = ptr, shift
-        elif ptr != storage or shift != delta:
+        implied = local.data_ptr() - param.storage_offset() * size
+        if base is None:
+            base = implied
+        elif implied != base:
             return None
-    assert delta is not None
     first = owner.params[0].sharded.grad._local_tensor
-    start = flat.storage_offset() + delta
-    if start < 0 or (start + flat.numel()) * flat.element_size() > first.untyped_storage().nbytes():
-        return None
-    return flat, torch.as_strided(first, (flat.numel(),), (1,), start)
+    storage = first.untyped_storage()
+    start = flat.storage_offset() * size + base - storage.data_ptr()
+    if first.device != flat.device or start < 0 or start % size or start + flat.numel() * size > storage.nbytes():
+        return None  # the buffer would leave the first gradient's storage: they are not all in one
+    return flat, torch.as_strided(first, (flat.numel(),), (1,), start // size)
 
 
 def _adam_update(group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],

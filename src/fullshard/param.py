@@ -41,6 +41,25 @@ def full_tensor(value: DTensor) -> torch.Tensor:
     return value.full_tensor()
 
 
+# Attribute a sharded gradient the reduce-scatter delivered fresh carries: a FlatGrad, the same
+# for every gradient of that delivery ([Note: Flat optimizer steps]).
+FLAT_GRAD = "_fullshard_flat_grad"
+
+
+class FlatGrad:
+    """A group's whole flat gradient buffer (laid out as its flat shard) and the group, weakly."""
+
+    __slots__ = ("flat", "group")
+
+    def __init__(self, flat: torch.Tensor, group: Any) -> None:
+        self.flat, self.group = flat, group
+
+
+def sharded_axes(placements: tuple[Placement, ...]) -> tuple[int, ...]:
+    """Mesh axes over which local pieces are disjoint (Shard, or the _StridedShard of FSDP + TP)."""
+    return tuple(axis for axis, placement in enumerate(placements) if not placement.is_replicate())
+
+
 def rank_axis_view(padded_full: torch.Tensor, shard_dim: int, world_size: int) -> torch.Tensor:
     """View a padded full tensor as ``(world_size, *chunk_shape)``: index r is rank r's chunk."""
     shape = padded_full.shape

@@ -52,7 +52,7 @@ from torch.distributed.tensor import DTensor
 
 from fullshard.collectives import PendingCollective, all_reduce, profiled, reduce_scatter, run_hook_on
 from fullshard.layout import GroupLayout, ParamLayout
-from fullshard.param import ShardedParam, rank_axis_view
+from fullshard.param import FLAT_GRAD, FlatGrad, ShardedParam, rank_axis_view
 
 if TYPE_CHECKING:
     from fullshard.group import ParamGroup
@@ -366,13 +366,20 @@ class GradReducer:
             counts = group.split(reduced, pending.layout)[-1].tolist()
             delivered = [p for i, p in enumerate(pending.params) if i not in pending.missing or counts[i] > 0]
         chunks = dict(zip(pending.params, group.split(flat_grad, pending.layout)))
+        # Fresh gradients laid out as the flat shard are marked with their flat buffer ([Note: Flat optimizer steps]).
+        whole = None
+        if len(delivered) == len(group.params) and flat_grad.dtype == group.flat_shard.dtype and group.flat_steppable:
+            # Every parameter packed, in the group's order (the flag columns follow).
+            whole = FlatGrad(flat_grad.narrow(0, 0, group.layout.shard_numel), group.weak_self)
         for p in delivered:
             chunk = chunks[p]
             if chunk.dtype != p.orig_dtype:
                 chunk = chunk.to(p.orig_dtype)
             grad = p.sharded.grad
             if grad is None:
-                p.sharded.grad = p.as_dtensor(chunk)
+                p.sharded.grad = fresh = p.as_dtensor(chunk)
+                if whole is not None:
+                    setattr(fresh, FLAT_GRAD, whole)
                 continue
             local = grad.to_local() if isinstance(grad, DTensor) else grad
             if host_pending:
