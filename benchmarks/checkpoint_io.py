@@ -8,48 +8,32 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
-import time
 from pathlib import Path
 
+import common
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-import fullshard
 from fullshard import checkpoint
-from fullshard.cli import launch
-from fullshard.gpt import GPT, GPTConfig, lm_loss
-
-
-def timed(fn) -> float:  # type: ignore[no-untyped-def]
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    dist.barrier()
-    return time.perf_counter() - start
+from fullshard.gpt import GPT, lm_loss
 
 
 def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    cfg = GPTConfig(n_layers=args.layers, dim=args.dim, hidden=4 * args.dim)
-    torch.manual_seed(0)
-    model = GPT(cfg).to(device)
-    for block in model.blocks:
-        fullshard.fully_shard(block)
-    fullshard.fully_shard(model)
+    dev, cfg = common.device(), common.config(args)
+    model = common.sharded_gpt(cfg, dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    lm_loss(model, torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1), device=device)).backward()
+    lm_loss(model, torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1), device=dev)).backward()
     opt.step()
     opt.zero_grad()
     path = Path(args.dir)
     saves, loads, manifests, verifies = [], [], [], []
     for _ in range(args.repeats):
         state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
-        saves.append(timed(lambda: checkpoint.save(state, path)))
-        loads.append(timed(lambda: checkpoint.load(state, path)))
+        saves.append(common.timed(lambda: checkpoint.save(state, path), dev, after_barrier=True))
+        loads.append(common.timed(lambda: checkpoint.load(state, path), dev, after_barrier=True))
         # The checksum parts on their own: hashing for the manifest (inside save), checking it (inside load).
-        manifests.append(timed(lambda: checkpoint._write_manifest(path)))
-        verifies.append(timed(lambda: checkpoint.verify(path)))
+        manifests.append(common.timed(lambda: checkpoint._write_manifest(path), dev, after_barrier=True))
+        verifies.append(common.timed(lambda: checkpoint.verify(path), dev, after_barrier=True))
     if rank == 0:
         size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
         n_params = sum(p.numel() for p in GPT(cfg).parameters())
@@ -64,14 +48,10 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--dim", type=int, default=256)
+    p = common.parser(__doc__)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dir", default="/tmp/fullshard-checkpoint-bench")
-    args = p.parse_args()
-    launch.run(worker, args.world_size, args, device_type="cuda" if torch.cuda.is_available() else "cpu")
+    common.launch_workers(worker, p.parse_args())
 
 
 if __name__ == "__main__":

@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from typing import Any
 
+import common
 import torch
 import torch.distributed as dist
 
-from fullshard import MixedPrecisionPolicy, QuantizedCommPolicy, fully_shard
-from fullshard.cli import launch
-from fullshard.gpt import GPT, GPTConfig, lm_loss
+from fullshard import MixedPrecisionPolicy, QuantizedCommPolicy
+from fullshard.gpt import GPT, lm_loss
 
 SETUPS: dict[str, dict[str, Any]] = {
     "fp32": {},
@@ -48,30 +47,25 @@ class Counter:
 
 
 def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    cfg = GPTConfig(n_layers=args.layers, dim=args.dim, hidden=4 * args.dim)
+    dev, cfg = common.device(), common.config(args)
     rows = []
     for name, kwargs in SETUPS.items():
-        torch.manual_seed(0)
-        model = GPT(cfg).to(device)
-        for block in model.blocks:
-            fully_shard(block, **kwargs)
-        fully_shard(model, **kwargs)
+        model = common.sharded_gpt(cfg, dev, **kwargs)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         gen = torch.Generator().manual_seed(rank)
         times, counted = [], None
         for step in range(args.steps + 1):
-            tokens = torch.randint(0, cfg.vocab_size, (args.batch_size, cfg.seq_len + 1), generator=gen).to(device)
+            tokens = common.tokens(cfg, args.batch_size, gen, dev)
             counter = Counter() if step == 1 else None
-            dist.barrier()
-            start = time.perf_counter()
-            lm_loss(model, tokens).backward()
-            opt.step()
-            opt.zero_grad()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+
+            def train_step() -> None:
+                lm_loss(model, tokens).backward()
+                opt.step()
+                opt.zero_grad()
+
+            elapsed = common.timed(train_step, dev)
             if step:
-                times.append(time.perf_counter() - start)
+                times.append(elapsed)
             if counter is not None:
                 counter.close()
                 counted = counter.bytes
@@ -80,7 +74,7 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
     if rank == 0:
         params = sum(p.numel() for p in GPT(cfg).parameters())
         print(f"GPT {cfg.n_layers} blocks, width {cfg.dim} ({params / 1e6:.2f}M parameters), world size {world_size}, "
-              f"{device.type}; bytes each rank sends per step")
+              f"{dev.type}; bytes each rank sends per step")
         print("| setup | all-gather | vs fp32 | reduce-scatter | vs fp32 | step |")
         print("|---|---|---|---|---|---|")
         base = rows[0][1]
@@ -91,14 +85,7 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--dim", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--steps", type=int, default=5)
-    args = p.parse_args()
-    launch.run(worker, args.world_size, args, device_type="cuda" if torch.cuda.is_available() else "cpu")
+    common.launch_workers(worker, common.parser(__doc__, steps=5, batch_size=4).parse_args())
 
 
 if __name__ == "__main__":

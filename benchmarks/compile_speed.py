@@ -11,26 +11,17 @@ import argparse
 import statistics
 import time
 
+import common
 import torch
-import torch.distributed as dist
 
-from fullshard import fully_shard
-from fullshard.cli import launch
-from fullshard.gpt import GPT, GPTConfig, lm_loss
+from fullshard.gpt import lm_loss
 
 
 def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    cfg = GPTConfig(n_layers=args.layers, dim=args.dim, hidden=4 * args.dim)
+    dev, cfg = common.device(), common.config(args)
     results = {}
     for mode in ("eager", "compiled blocks", "compiled model"):
-        torch.manual_seed(0)
-        model = GPT(cfg).to(device)
-        for block in model.blocks:
-            fully_shard(block)
-            if mode == "compiled blocks":
-                block.compile()
-        fully_shard(model)
+        model = common.sharded_gpt(cfg, dev, (lambda block: block.compile()) if mode == "compiled blocks" else None)
         if mode == "compiled model":
             model.compile()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -38,25 +29,25 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
         times, losses = [], []
         start_all = time.perf_counter()
         for step in range(args.warmup + args.steps):
-            tokens = torch.randint(0, cfg.vocab_size, (args.batch_size, cfg.seq_len + 1), generator=gen).to(device)
-            dist.barrier()
-            start = time.perf_counter()
-            loss = lm_loss(model, tokens)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            tokens = common.tokens(cfg, args.batch_size, gen, dev)
+
+            def train_step() -> None:
+                loss = lm_loss(model, tokens)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+
+            elapsed = common.timed(train_step, dev)
             if step == args.warmup - 1:
                 warm = time.perf_counter() - start_all
             if step >= args.warmup:
-                times.append(time.perf_counter() - start)
-            losses.append(loss.item())
+                times.append(elapsed)
         results[mode] = (statistics.median(times), warm, losses)
     if rank == 0:
         eager = results["eager"][0]
         print(f"GPT {cfg.n_layers} blocks, width {cfg.dim}, batch {args.batch_size}x{cfg.seq_len}, world size {world_size}, "
-              f"{device.type}, {args.steps} timed steps")
+              f"{dev.type}, {args.steps} timed steps")
         print("| mode | step | vs eager | warm-up (compilation) | max loss diff vs eager |")
         print("|---|---|---|---|---|")
         for mode, (step_time, warm, losses) in results.items():
@@ -65,15 +56,7 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--dim", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
-    args = p.parse_args()
-    launch.run(worker, args.world_size, args, device_type="cuda" if torch.cuda.is_available() else "cpu")
+    common.launch_workers(worker, common.parser(__doc__, steps=10, warmup=3, batch_size=4).parse_args())
 
 
 if __name__ == "__main__":

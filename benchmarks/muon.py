@@ -14,18 +14,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from typing import Any
 
+import common
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 import fullshard
-from fullshard import fully_shard
-from fullshard.cli import launch
-from fullshard.gpt import GPT, GPTConfig, lm_loss
+from fullshard.gpt import lm_loss
 
 
 class NaiveMuon(torch.optim.Muon):
@@ -82,15 +80,10 @@ class Sent:
 
 
 def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    cfg = GPTConfig(n_layers=args.layers, dim=args.dim, hidden=4 * args.dim)
+    dev, cfg = common.device(), common.config(args)
     results = {}
     for name in ("fullshard.optim.Muon", "naive Muon", "fullshard.optim.AdamW"):
-        torch.manual_seed(0)
-        model = GPT(cfg).to(device)
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
+        model = common.sharded_gpt(cfg, dev)
         matrices = [p for block in model.blocks for p in block.parameters() if p.ndim == 2]
         opt: torch.optim.Optimizer
         if name == "fullshard.optim.Muon":
@@ -102,17 +95,9 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
         gen = torch.Generator().manual_seed(rank)
         times, sent = [], 0
         for step in range(args.steps + 1):
-            tokens = torch.randint(0, cfg.vocab_size, (args.batch_size, cfg.seq_len + 1), generator=gen).to(device)
-            lm_loss(model, tokens).backward()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            dist.barrier()
+            lm_loss(model, common.tokens(cfg, args.batch_size, gen, dev)).backward()
             counter = Sent()
-            start = time.perf_counter()
-            opt.step()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            elapsed = time.perf_counter() - start
+            elapsed = common.timed(opt.step, dev)
             counter.close()
             opt.zero_grad()
             if step:
@@ -120,13 +105,13 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
                 sent = counter.bytes + getattr(opt, "sent", 0)
             if isinstance(opt, NaiveMuon):
                 opt.sent = 0
-        total = torch.tensor(float(sent), device=device)
+        total = torch.tensor(float(sent), device=dev)
         dist.all_reduce(total)
         results[name] = (statistics.median(times), sent, total.item())
         grad_bytes = sum(p.numel() * 4 for p in matrices)
     if rank == 0:
         print(f"GPT {cfg.n_layers} blocks, width {cfg.dim}: {len(matrices)} block matrices, {grad_bytes / 2**20:.2f} MiB of "
-              f"fp32 gradients; world size {world_size}, {device.type}; optimizer step only")
+              f"fp32 gradients; world size {world_size}, {dev.type}; optimizer step only")
         print("| optimizer | step | vs fullshard Muon | sent per step: rank 0 | all ranks | all ranks vs gradient bytes |")
         print("|---|---|---|---|---|---|")
         base = results["fullshard.optim.Muon"][0]
@@ -136,14 +121,7 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--world-size", type=int, default=4)
-    p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--dim", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=2)
-    p.add_argument("--steps", type=int, default=5)
-    args = p.parse_args()
-    launch.run(worker, args.world_size, args, device_type="cuda" if torch.cuda.is_available() else "cpu")
+    common.launch_workers(worker, common.parser(__doc__, world_size=4, steps=5, batch_size=2).parse_args())
 
 
 if __name__ == "__main__":

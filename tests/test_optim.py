@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import functools
+import io
 from typing import Any
 
 import pytest
@@ -14,7 +16,7 @@ import fullshard
 from fullshard import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from tests.harness import run_ranks
 from tests.models import Transformer, lm_loss
-from tests.parity import full, random_batches, token_batch, train
+from tests.parity import assert_parity, full, random_batches, token_batch, train
 
 CONFIGS: dict[str, tuple[type, type, dict[str, Any]]] = {
     "adamw": (torch.optim.AdamW, fullshard.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
@@ -123,6 +125,7 @@ def _flat_runs_follow_gradients(rank: int, world_size: int) -> None:
     """Which gradients step flat: the reduce-scatter's (also accumulated), views placed in the flat layout by
     hand; not a group with a replaced gradient. Each case steps exactly as torch's AdamW on the DTensors."""
     from fullshard.optim import flat_runs
+    from fullshard.param import FLAT_GRAD, FlatGrad
 
     def backward(model: torch.nn.Module, seed: int) -> None:
         lm_loss(model, random_batches(1, world_size, token_batch, seed=seed)[0][rank]).backward()
@@ -149,6 +152,17 @@ def _flat_runs_follow_gradients(rank: int, world_size: int) -> None:
             for p in block:
                 p.grad = DTensor.from_local(p.grad.to_local(), p.device_mesh, p.placements, shape=p.shape,
                                             stride=p.stride(), run_check=False)
+        if edit == "none":  # marked gradients save, load (weights_only) and copy; the copies are not marked
+            # (torch.save refuses DTensors whose local tensor starts past its storage's start: the first only)
+            buffer = io.BytesIO()
+            torch.save(block[0].grad, buffer)
+            buffer.seek(0)
+            loaded = torch.load(buffer, weights_only=True)
+            torch.testing.assert_close(loaded.to_local(), block[0].grad.to_local(), rtol=0, atol=0)
+            mark = getattr(block[0].grad, FLAT_GRAD)
+            assert isinstance(mark, FlatGrad) and copy.deepcopy(mark) == set() and copy.copy(mark) == set()
+            assert not isinstance(getattr(loaded, FLAT_GRAD, None), FlatGrad)
+            assert flat_runs(block)[1] == [] and len(flat_runs(block)[0]) == 1
         runs, rest = flat_runs([p for p in ours.parameters() if p.grad is not None])
         flat_groups = n_groups - 1 if edit == "replace" else n_groups
         assert len(runs) == flat_groups, (edit, len(runs))
@@ -162,3 +176,22 @@ def _flat_runs_follow_gradients(rank: int, world_size: int) -> None:
 
 def test_flat_runs_follow_gradients() -> None:
     run_ranks(2, _flat_runs_follow_gradients)
+
+
+def _parity_with_unsharded(rank: int, world_size: int, config: str) -> None:
+    torch_cls, ours_cls, kwargs = CONFIGS[config]
+    batches = random_batches(3, world_size, token_batch)
+    torch.manual_seed(0)
+    ref = train(Transformer(), batches, lm_loss, rank=None, make_optim=functools.partial(torch_cls, **kwargs))
+    torch.manual_seed(0)
+    model = Transformer()
+    shard("plain", model)
+    sharded = train(model, batches, lm_loss, rank=rank, make_optim=functools.partial(ours_cls, **kwargs))
+    assert_parity(ref, sharded, rank, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("config", ["adamw", "adam_amsgrad", "sgd_nesterov"])
+def test_parity_with_unsharded_torch_optimizer(config: str, world_size: int) -> None:
+    """Sharded with fullshard.optim against torch's optimizer on the unsharded model in one process."""
+    run_ranks(world_size, _parity_with_unsharded, config)

@@ -168,7 +168,7 @@ def flat_runs(params: list[torch.Tensor]) -> tuple[list[tuple[Any, torch.Tensor,
     unmarked: list[torch.Tensor] = []
     for p in params:
         mark = getattr(p.grad, FLAT_GRAD, None)
-        if mark is None:
+        if not isinstance(mark, FlatGrad):
             unmarked.append(p)
         else:
             marked.setdefault(id(mark), (mark, []))[1].append(p)

@@ -54,6 +54,11 @@ class FlatGrad:
     def __init__(self, flat: torch.Tensor, group: Any) -> None:
         self.flat, self.group = flat, group
 
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        # A saved or copied gradient is not the delivered one: it keeps an empty set (loadable with
+        # torch.load(weights_only=True)) in place of the mark.
+        return set, ()
+
 
 def sharded_axes(placements: tuple[Placement, ...]) -> tuple[int, ...]:
     """Mesh axes over which local pieces are disjoint (Shard, or the _StridedShard of FSDP + TP)."""
