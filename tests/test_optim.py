@@ -5,10 +5,12 @@ from __future__ import annotations
 import copy
 import functools
 import io
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 
@@ -195,3 +197,33 @@ def _parity_with_unsharded(rank: int, world_size: int, config: str) -> None:
 def test_parity_with_unsharded_torch_optimizer(config: str, world_size: int) -> None:
     """Sharded with fullshard.optim against torch's optimizer on the unsharded model in one process."""
     run_ranks(world_size, _parity_with_unsharded, config)
+
+
+def _dcp_save(rank: int, world_size: int, path: str) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = Transformer()
+    shard("plain", model)
+    opt = fullshard.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)  # flat state buffers
+    train(model, random_batches(2, world_size, token_batch), lm_loss, rank=rank, optim=opt)
+    dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
+    return state_tensors(get_optimizer_state_dict(model, opt))
+
+
+def _dcp_load(rank: int, world_size: int, path: str) -> dict[str, torch.Tensor]:
+    torch.manual_seed(1)
+    model = Transformer()
+    shard("plain", model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    train(model, random_batches(1, world_size, token_batch, seed=7), lm_loss, rank=rank, optim=opt)  # some state
+    state = {"optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(state, checkpoint_id=path)
+    set_optimizer_state_dict(model, opt, state["optim"])
+    return state_tensors(get_optimizer_state_dict(model, opt))
+
+
+def test_dcp_checkpoint_from_flat_state_loads_into_torch_adamw_at_another_world_size(tmp_path: Path) -> None:
+    saved = run_ranks(4, _dcp_save, str(tmp_path))[0]
+    loaded = run_ranks(2, _dcp_load, str(tmp_path))[0]
+    assert saved.keys() == loaded.keys()
+    for key, value in saved.items():
+        torch.testing.assert_close(loaded[key], value, rtol=0, atol=0, msg=key)

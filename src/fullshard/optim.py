@@ -157,8 +157,17 @@ class _LocalAdamStep:
 # (and AdamW) with foreach kernels steps the whole flat buffer as one tensor - one
 # kernel per group instead of one per parameter - with its state in flat buffers too; each
 # parameter's state entries are DTensor views of those (the state_dict() layout is
-# unchanged). Padding stays zero (zero gradient, zero moments). Anything else (a
-# gradient assigned by hand, a parameter without one, parameters of several dtypes)
+# unchanged). Padding stays zero (zero gradient, zero moments). All flat buffers and the
+# per-parameter rest of a param group go into one foreach call.
+# Finding the runs is cheap: the reduce-scatter marks each gradient it creates with one
+# FlatGrad per delivery (the flat buffer, the group weakly), so a group qualifies when all
+# its parameters' gradients carry the same mark - an attribute lookup per parameter. The
+# mark lives on the gradient object: a gradient replaced by another tensor loses it, one
+# changed in place or accumulated into keeps it (still a view of the buffer), and
+# torch.utils.swap_tensors (module.to() on DTensor parameters) exchanges __dict__ with the
+# data, so the mark stays with the delivered data. Gradients placed by other means are
+# still taken when their addresses show they sit in one buffer laid out as the flat shard.
+# Anything else (a parameter without a gradient, parameters of several dtypes, extensions)
 # takes the per-tensor path; the arithmetic is the same elementwise either way.
 
 

@@ -312,7 +312,7 @@ def build(cfg: TrainConfig, world_size: int, device: torch.device) -> tuple[torc
         model.set_reshard_after_forward(cfg.reshard_after_forward == "true")  # type: ignore[operator]
     adamw: dict[str, Any] = {"lr": cfg.lr, "betas": (0.9, 0.95), "weight_decay": cfg.weight_decay}
     if cfg.optimizer == "adamw":
-        return model, torch.optim.AdamW(model.parameters(), **adamw)
+        return model, fullshard_optim.AdamW(model.parameters(), **adamw)
     # Muon for the blocks' weight matrices, AdamW for embeddings, head, norms and biases.
     matrices = {p: None for m in model.modules() if isinstance(m, layer_class) for p in m.parameters() if p.ndim == 2}
     rest = [p for p in model.parameters() if p not in matrices]
