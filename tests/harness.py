@@ -54,6 +54,7 @@ def _rank_main(
 ) -> None:
     with open(stack_file, "w") as stacks:
         faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+        faulthandler.enable(file=stacks, all_threads=True)  # a crash (SIGSEGV, SIGABRT) leaves its stacks too
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"
         torch.set_num_threads(1)
         try:
@@ -109,6 +110,10 @@ def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: floa
                 except EOFError:
                     procs[rank].join(1.0)
                     status, payload = "error", f"rank {rank} exited without a result (exit code {procs[rank].exitcode})"
+                    with open(stack_files[rank]) as f:
+                        crash = f.read()
+                    if crash:
+                        payload += f"; its stacks:\n{crash}"
                 del open_conns[rank]
                 (results if status == "ok" else errors)[rank] = payload
         hung = sorted(open_conns)

@@ -50,3 +50,19 @@ def test_hung_rank_times_out_with_its_stack() -> None:
     message = str(info.value)
     assert "rank 0 timed out after 3s" in message
     assert "_rank0_sleeps_forever" in message  # the hung rank's Python stack
+
+
+def _rank1_crashes(rank: int, world_size: int) -> None:
+    if rank == 1:
+        import ctypes
+
+        ctypes.string_at(0)  # SIGSEGV
+    dist.barrier()
+
+
+def test_crashed_rank_reports_exit_code_and_stack() -> None:
+    with pytest.raises(RankFailure) as info:
+        run_ranks(2, _rank1_crashes, timeout=60)
+    message = str(info.value)
+    assert "rank 1 exited without a result (exit code -11)" in message
+    assert "_rank1_crashes" in message  # faulthandler's stack of the crash
