@@ -23,6 +23,8 @@ from tests.parity import assert_parity, full, random_batches, token_batch, train
 CONFIGS: dict[str, tuple[type, type, dict[str, Any]]] = {
     "adamw": (torch.optim.AdamW, fullshard.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
     "adamw_fused": (torch.optim.AdamW, fullshard.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1, "fused": True}),
+    # A Tensor lr: torch's default then takes the per-tensor loop (foreach cannot take it without capturable).
+    "adamw_tensor_lr": (torch.optim.AdamW, fullshard.optim.AdamW, {"lr": torch.tensor(1e-2), "weight_decay": 0.1}),
     "adam_amsgrad": (torch.optim.Adam, fullshard.optim.Adam, {"lr": 1e-2, "weight_decay": 0.01, "amsgrad": True}),
     "sgd_nesterov": (torch.optim.SGD, fullshard.optim.SGD, {"lr": 0.05, "momentum": 0.9, "nesterov": True,
                                                             "weight_decay": 0.01}),

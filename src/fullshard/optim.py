@@ -44,7 +44,10 @@ def _torch_steps(group: dict[str, Any]) -> bool:
 
 
 def _foreach(group: dict[str, Any]) -> bool:
-    return group.get("foreach") is not False
+    foreach = group.get("foreach")
+    if foreach is None:  # as torch's default: a Tensor lr (without capturable) takes the per-tensor loop
+        return not isinstance(group["lr"], torch.Tensor)
+    return bool(foreach)
 
 
 class _LocalAdamStep:
