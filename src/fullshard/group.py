@@ -135,7 +135,7 @@ class ParamGroup:
         self.sharded_ids = frozenset(id(p.sharded) for p in self.params)
         self.weak_self = weakref.ref(self)
         for p in self.params:
-            _owners[id(p.sharded)] = weakref.ref(self)
+            _owners[id(p.sharded)] = self.weak_self
 
     # [Note: Mixed dtypes]
     # A group whose parameters have different dtypes (fp32 norms beside bf16 weights) keeps

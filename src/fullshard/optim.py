@@ -80,8 +80,8 @@ class _LocalAdamStep:
             max_exp_avg_sqs: list[torch.Tensor] = []
             steps: list[torch.Tensor] = []
             shared_steps: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+            keys = ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"] if group["amsgrad"] else ["exp_avg", "exp_avg_sq"]
             for owner, flat_param, flat_grad in runs:
-                keys = ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"] if group["amsgrad"] else ["exp_avg", "exp_avg_sq"]
                 flats = self._flat_state(owner, flat_param, keys)
                 states = [self.state[sp.sharded] for sp in owner.params]
                 for state in states:
