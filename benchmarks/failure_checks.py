@@ -25,7 +25,7 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
     model = common.sharded_gpt(cfg, dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     real = (failures.issued, failures.check_schedule)
-    off = (lambda kind, label, numel: 0, lambda group: None)
+    off = (lambda kind, label, numel, group=None: 0, lambda group: None)
     times: dict[str, list[float]] = {"on": [], "off": []}
     gen = torch.Generator().manual_seed(rank)
     for step in range(args.warmup + 2 * args.steps):

@@ -128,6 +128,36 @@ CALLS: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
     ("checkpoint.save state", lambda: checkpoint.save(3, "ckpt"), TypeError, "checkpoint.save: state must be a dict"),
     ("checkpoint.load path", lambda: checkpoint.load({}, 3), TypeError,
      "checkpoint.load: path must be a str or os.PathLike, got int"),
+    ("full_optim_state_dict optim", lambda: fullshard.full_optim_state_dict(sharded(), "adam"), TypeError,
+     "full_optim_state_dict: optim must be a torch.optim.Optimizer, got str"),
+    ("full_optim_state_dict rank0_only", lambda: fullshard.full_optim_state_dict(
+        sharded(), torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1), rank0_only="yes"), TypeError,
+     "full_optim_state_dict: rank0_only must be a bool, got str"),
+    ("load_full_optim_state_dict full_osd", lambda: fullshard.load_full_optim_state_dict(
+        (m := sharded()), torch.optim.SGD(m.parameters(), lr=0.1), [1, 2]), TypeError,
+     "load_full_optim_state_dict: full_osd must be a dict from full_optim_state_dict"),
+    ("rekey_optim_state_dict osd", lambda: fullshard.rekey_optim_state_dict(
+        3, sharded(), fullshard.OptimStateKeyType.PARAM_NAME), TypeError,
+     "rekey_optim_state_dict: osd must be an optimizer state dict"),
+    ("rekey_optim_state_dict key_type", lambda: fullshard.rekey_optim_state_dict(
+        {"state": {}, "param_groups": []}, sharded(), "names"), TypeError, "key_type must be an OptimStateKeyType"),
+    ("full_state_dict rank0_only", lambda: fullshard.full_state_dict(sharded(), rank0_only="x"), TypeError,
+     "full_state_dict: rank0_only must be a bool, got str"),
+    ("EMA model", lambda: EMA("model", 0.9), TypeError, "EMA expects an nn.Module, got str"),
+    ("CustomPolicy", lambda: fullshard.CustomPolicy(3), TypeError, "CustomPolicy expects a callable"),
+    ("register_comm_hook hook", lambda: fullshard.register_comm_hook(sharded(), None, 3), TypeError,
+     "register_comm_hook: hook must be callable, got int"),
+    ("register_fsdp_forward_method", lambda: fullshard.register_fsdp_forward_method(sharded(), "nope"), ValueError,
+     "does not have a method nope"),
+    ("share_comm_ctx", lambda: fullshard.share_comm_ctx([nn.Linear(2, 2)]), ValueError,
+     "expected modules passed to fully_shard, got Linear"),
+    ("comm_policy", lambda: fully_shard(nn.Linear(2, 2), comm_policy=3), TypeError,
+     "comm_policy must be a QuantizedCommPolicy or None, got int"),
+    ("optim.Muon lr", lambda: fs_optim.Muon(sharded().parameters(), lr=-1.0), ValueError, "Learning rate should be >= 0"),
+    ("checkpoint.verify path", lambda: checkpoint.verify(3), TypeError,
+     "checkpoint.verify: path must be a str or os.PathLike, got int"),
+    ("clip_grad_norm_ norm_type str", lambda: clip_grad_norm_(sharded(), 1.0, norm_type="fro"), ValueError,
+     "clip_grad_norm_: norm_type must be a number or 'inf', got 'fro'"),
     ("set_collective_timeout type", lambda: fullshard.set_collective_timeout("60"), TypeError,
      "seconds must be a number, got str"),
     ("set_collective_timeout value", lambda: fullshard.set_collective_timeout(-1), ValueError,
@@ -177,7 +207,7 @@ def _call_cases(rank: int, world_size: int) -> list[str]:
             if not re.search(pattern, str(err)):
                 problems.append(f"{name}: message {str(err)!r} does not match {pattern!r}")
         except Exception as err:  # noqa: BLE001
-            problems.append(f"{name}: {type(err).__name__} instead of {kind.__name__}: {err}")
+            problems.append(f"{name}: {type(err).__name__} instead of {kind}: {err}")
     return problems
 
 
@@ -211,6 +241,12 @@ TRAIN_FLAGS = [
     (["--layers", "0"], "every size must be positive"),
     (["--data", "/nonexistent/text"], "data path /nonexistent/text does not exist"),
     (["--bogus", "1"], "unrecognized arguments: --bogus 1"),
+    (["--eval-batches", "0"], "--eval-batches must be at least 1, got 0"),
+    (["--optimizer", "lion"], "--optimizer must be adamw or muon, got 'lion'"),
+    (["--seed", "x"], "argument --seed: invalid int value: 'x'"),
+    (["--config", "/nonexistent.toml"], "config file /nonexistent.toml does not exist"),
+    (["--skip-nonfinite", "3"], "unrecognized arguments: 3"),
+    (["--hf-model", "gpt9"], r"--hf-model: unknown model type 'gpt9' \(a transformers model_type"),
 ]
 
 
@@ -227,6 +263,8 @@ def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
 
 @pytest.mark.parametrize("flags,message", TRAIN_FLAGS, ids=[" ".join(f) for f, _ in TRAIN_FLAGS])
 def test_train_flags(flags: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    if "--hf-model" in flags:
+        pytest.importorskip("transformers", reason="the [hf] extra is not installed")
     data = tmp_path / "text.txt"
     data.write_text("some text to train on " * 200)
     code, last = _cli(capsys, "train", "--data", str(data), "--out", str(tmp_path / "run"), "--layers", "1", "--dim", "16",

@@ -272,4 +272,4 @@ def test_hf_model(tmp_path: Path, corpus: Path) -> None:
     assert "sharded as 3 groups: 2 x LlamaDecoderLayer and the root" in done.stdout
     assert sorted(losses(tmp_path)) == [1, 2, 3]
     bad = one_line_error(fullshard("train", "--hf-model", "no-such-model", "--data", str(corpus), *TINY))
-    assert "--hf-model: Unrecognized model identifier: no-such-model" in bad
+    assert "--hf-model: unknown model type 'no-such-model' (a transformers model_type" in bad

@@ -115,6 +115,8 @@ def verify(path: str | os.PathLike[str]) -> bool:
     reading, and all raise the same error). Returns False when there is no
     manifest to check against (a checkpoint written by DCP directly).
     """
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"checkpoint.verify: path must be a str or os.PathLike, got {type(path).__name__}")
     directory = Path(path)
     manifest_path = directory / MANIFEST
     if not manifest_path.is_file():

@@ -233,11 +233,12 @@ def _issue_all_gather(
         output = torch.empty(world_size * inp.numel(), dtype=inp.dtype, device=inp.device)
     if not inp.numel():
         return output, None, 0
+    index = failures.issued("all-gather", label, inp.numel(), group)
     if comm is not None:
         work = comm(output, inp, group, async_op=True)
     else:
         work = _all_gather_single(output, inp, group=group, async_op=True)
-    return output, work, failures.issued("all-gather", label, inp.numel())
+    return output, work, index
 
 
 def all_gather_packed(
@@ -300,13 +301,13 @@ def reduce_scatter(
         if world_size == 1 or inp.numel() == 0:
             return PendingCollective(None, inp.view(-1) if world_size == 1 else inp.new_empty(0), (inp,), streams.record())
         op = dist.ReduceOp.SUM if op is None else op
+        index = failures.issued("reduce-scatter", label, inp.numel(), group)
         if comm is not None:
             output = comm.allocate((inp.shape[1],), dtype=inp.dtype, device=inp.device)
             work = comm(output, inp.view(-1), group, op, async_op=True)
         else:
             output = torch.empty(inp.shape[1], dtype=inp.dtype, device=inp.device)
             work = _reduce_scatter_single(output, inp.view(-1), op=op, group=group, async_op=True)
-        index = failures.issued("reduce-scatter", label, inp.numel())
     pending = PendingCollective(work, output, (inp, output), what=f"reduce-scatter of group {label!r}", group=group,
                                 index=index)
     return _ordered(pending, streams)
@@ -320,8 +321,8 @@ def all_reduce(
     Issued on the current stream (the all-reduce stream on accelerators).
     """
     with profiled("all_reduce", label):
+        index = failures.issued("all-reduce", label, tensor.numel(), group)
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op is None else op, group=group, async_op=True)
-        index = failures.issued("all-reduce", label, tensor.numel())
     pending = PendingCollective(work, tensor, (tensor,), what=f"all-reduce of group {label!r}", group=group, index=index)
     return _ordered(pending, streams)
 

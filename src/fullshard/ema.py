@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from fullshard.errors import expect_module
 from fullshard.param import full_tensor
 from fullshard.runtime import TrainingState, states_in
 
@@ -33,6 +34,7 @@ class EMA:
     """
 
     def __init__(self, model: nn.Module, decay: float) -> None:
+        expect_module("EMA", model)
         if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= decay <= 1.0:
             raise ValueError(f"EMA decay must be a number in [0, 1], got {decay!r}")
         self.model = model

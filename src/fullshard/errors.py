@@ -44,6 +44,14 @@ def expect_positive(where: str, name: str, value: object) -> float:
     return float(value)
 
 
+def expect_optimizer(where: str, value: object) -> None:
+    """``TypeError`` unless ``value`` is a ``torch.optim.Optimizer``."""
+    import torch
+
+    if not isinstance(value, torch.optim.Optimizer):
+        raise TypeError(f"{where}: optim must be a torch.optim.Optimizer, got {type(value).__name__}")
+
+
 def expect_module(where: str, value: object) -> None:
     """``TypeError`` unless ``value`` is an ``nn.Module``."""
     from torch import nn

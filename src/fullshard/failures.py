@@ -27,29 +27,37 @@ failed.
 [Note: Divergence check]
 Ranks that run different code issue different collectives: a block run twice
 on one rank, a module skipped on another. When the mismatched collectives
-differ in size, the transport fails (gloo aborts the receiving rank, which the
-others report as above; NCCL hangs until its watchdog fires). When they have
-the same size (same-shaped blocks), they succeed and silently mix the data of
-different parameters. To turn that into an error, every rank keeps a CRC-32 of
-the collectives it issued in the current iteration (kind, group, element
-count) and, at the end of each backward, the ranks of the root's shard group
-all-gather (count, CRC) on a gloo backend of their own: it never pairs
-with a collective a diverged rank still waits in, and in NCCL jobs it needs no
-device sync and completes even when mismatched NCCL collectives hang on the
-device. One 16-byte collective per backward. If they differ, the ranks
-exchange their lists and every rank raises the same ``DivergenceError`` naming
-the first collective that differs, before the optimizer step can use the mixed
-gradients.
+differ in size, the transport fails (gloo aborts the receiving rank; NCCL
+hangs until its watchdog fires). When they have the same size (same-shaped
+blocks), they succeed and silently mix the data of different parameters.
+Every rank keeps the list of collectives it issued in the current iteration
+(kind, group, element count; the list restarts at each root forward) and a
+CRC-32 of it. Comparisons run on a gloo backend of their own per rank set,
+built at lazy init (also in NCCL jobs: it needs no device work or sync, and it
+completes when mismatched NCCL collectives hang on the device):
 
-A rank that issued *more* collectives than a peer waits in one the peer never
-issues. Before its check, each rank posts its count in the store; a rank whose
-host wait lasts longer than ``POLL_S`` looks there between slices of the wait,
-and when a peer reached the check with fewer collectives it posts the verdict
-and raises ``DivergenceError``; the peer, waiting in the check, reads the
-verdict and raises the same error. The list restarts at each root forward;
-forward-only passes are not checked. On accelerators, host waits do not block
-(the collectives are stream-ordered), so every rank reaches the check and a
-count difference is found there.
+- Before each collective on a gloo group, the group's ranks all-gather
+  (before, index, CRC of the entry): 24 bytes, one round trip. A difference is
+  found before the collective goes out, so nothing is mixed and gloo never
+  sees a size mismatch; forward-only passes are covered too.
+- At the end of each backward, the ranks of the root's shard group all-gather
+  (end, count, CRC of the list). This is what catches a difference on NCCL
+  (where a check per collective would be a host round trip per collective),
+  before the optimizer step can use mixed gradients. The rows have one size, so
+  a rank's end check pairs with a peer's check before an extra collective, and
+  the difference shows there.
+
+On a difference the ranks exchange their lists and every rank raises the same
+``DivergenceError`` naming the first collective that differs. The message is
+also posted in the store: ranks outside the comparing group (the other groups
+of an HSDP mesh) find it in their next wait and raise it too.
+
+A rank waiting on the host in a collective its peer never reaches (the peer
+finished the iteration with fewer collectives and runs other code) looks in
+the store between one-second slices of the wait: before its end check each
+rank posts its count there, and a long wait posts which collective it waits
+in. When a peer finished with fewer collectives or waits in another one, the
+rank posts the verdict and raises; the peer reads it in its own wait.
 """
 
 from __future__ import annotations
@@ -72,7 +80,7 @@ POLL_S = 1.0  # host waits longer than this look for failures between slices
 _PREFIX = f"fullshard/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
 _KEY = _PREFIX + "heartbeat/"
 _AT_CHECK = _PREFIX + "at-check/"  # + "<check>/<rank>": "<count> <crc>", posted before each check
-_VERDICT = _PREFIX + "verdict/"  # + "<check>": the DivergenceError message
+_VERDICT = _PREFIX + "verdict"  # the latest DivergenceError message, for ranks that did not see the difference
 _WAITING = _PREFIX + "waiting/"  # + "<check>/<rank>": "<index> <collective>" while a host wait is long
 _checks = 0  # divergence checks this process has started
 _check_groups: dict[tuple[int, ...], CheckGroup] = {}
@@ -83,6 +91,9 @@ _issued = 0  # fullshard collectives this process has issued
 _heartbeat: threading.Thread | None = None
 _schedule: list[str] = []  # this iteration's fullshard collectives, see [Note: Divergence check]
 _schedule_crc = 0
+_raised: set[str] = set()  # DivergenceError messages this process raised (a posted one is news only once)
+_prechecked: dict[dist.ProcessGroup, CheckGroup] = {}  # gloo groups whose collectives are compared first
+_BEFORE, _END = 0, 1  # what a check compares: the next collective, or the whole iteration
 
 
 class DivergenceError(RuntimeError):
@@ -111,15 +122,21 @@ def collective_timeout() -> float:
     return _timeout_s
 
 
-def issued(kind: str, label: str, numel: int) -> int:
+def issued(kind: str, label: str, numel: int, group: dist.ProcessGroup | None = None) -> int:
     """Count one fullshard collective (published by the heartbeat) and add it to this iteration's schedule;
-    return its index there."""
+    return its index there. Call it before issuing the collective on ``group``: on gloo groups the ranks
+    compare it first and raise ``DivergenceError`` when it differs ([Note: Divergence check])."""
     global _issued, _schedule_crc
     _issued += 1
     entry = f"{kind} of group {label!r} ({numel} elements)"
     _schedule.append(entry)
+    entry_crc = zlib.crc32(entry.encode())
     _schedule_crc = zlib.crc32(entry.encode(), _schedule_crc)
-    return len(_schedule) - 1
+    index = len(_schedule) - 1
+    check = _prechecked.get(group) if group is not None else None
+    if check is not None:
+        _compare(check, (_BEFORE, index, entry_crc), list(_schedule), index, f"the check before the {entry}")
+    return index
 
 
 def new_iteration() -> None:
@@ -158,10 +175,23 @@ def check_group(group: dist.ProcessGroup | None) -> CheckGroup | None:
     return _check_groups[ranks]
 
 
-def _all_gather(check: CheckGroup, values: torch.Tensor, what: str) -> torch.Tensor:
+def _all_gather(check: CheckGroup, values: torch.Tensor, what: str, index: int) -> torch.Tensor:
     out = torch.empty(len(check.ranks) * values.numel(), dtype=values.dtype)
-    wait(check.backend._allgather_base(out, values), what, check.group, index=-1)
+    wait(check.backend._allgather_base(out, values), what, check.group, index)
     return out.view(len(check.ranks), -1)
+
+
+def check_groups(groups: list[dist.ProcessGroup | None]) -> CheckGroup | None:
+    """Build the check backends of ``groups`` (collective over each group's ranks: lazy init, which every rank
+    runs at its first forward) and compare every collective on the gloo ones before it goes out ([Note:
+    Divergence check]). Returns the first group's, where the end of backward compares the schedules."""
+    unique = {id(g): g for g in groups if g is not None and dist.get_backend(g) != "fake"}
+    # One creation order on every rank (sorted rank sets), so creations that wait on each other never cycle.
+    for g in sorted(unique.values(), key=lambda g: tuple(dist.get_process_group_ranks(g))):
+        check = check_group(g)
+        if check is not None and dist.get_backend(g) == "gloo":
+            _prechecked[g] = check
+    return check_group(groups[0]) if groups else None
 
 
 def check_schedule(check: CheckGroup) -> None:
@@ -174,29 +204,37 @@ def check_schedule(check: CheckGroup) -> None:
     store = _store()
     if store is not None:
         store.set(f"{_AT_CHECK}{number}/{dist.get_rank()}", f"{len(entries)} {crc}")
-    values = _all_gather(check, torch.tensor([len(entries), crc], dtype=torch.int64), "the divergence check").tolist()
+    _compare(check, (_END, len(entries), crc), entries, -1, "the divergence check")
+
+
+def _compare(check: CheckGroup, row: tuple[int, int, int], entries: list[str], index: int, what: str) -> None:
+    """All-gather ``row`` (what this rank is about to do) over the check group; when the ranks' rows differ,
+    exchange the schedules (padded to the longest) so every rank raises the same ``DivergenceError``."""
+    values = _all_gather(check, torch.tensor(row, dtype=torch.int64), what, index).tolist()
     if all(v == values[0] for v in values):
         return
-    # They differ: exchange the lists (padded to the longest) so every rank words the same error.
+    new_iteration()
     data = torch.frombuffer(bytearray(json.dumps(entries).encode()), dtype=torch.uint8)
-    sizes = _all_gather(check, torch.tensor([data.numel()]), "the divergence check").view(-1).tolist()
+    sizes = _all_gather(check, torch.tensor([data.numel()]), what, -1).view(-1).tolist()
     padded = torch.zeros(max(sizes), dtype=torch.uint8)
     padded[: data.numel()] = data
-    rows = _all_gather(check, padded, "the divergence check")
+    rows = _all_gather(check, padded, what, -1)
     schedules = [json.loads(bytes(row[:n].tolist()).decode()) for row, n in zip(rows, sizes)]
-    raise DivergenceError(_difference(list(check.ranks), schedules))
+    raise diverged(_difference(list(check.ranks), schedules, before=any(v[0] == _BEFORE for v in values)))
 
 
-def _difference(ranks: list[int], schedules: list[list[str]]) -> str:
+def _difference(ranks: list[int], schedules: list[list[str]], before: bool) -> str:
     first = next((i for i in range(max(map(len, schedules))) if len({tuple(s[i:i + 1]) for s in schedules}) > 1), 0)
     seen: dict[str, list[int]] = {}
     for rank, schedule in zip(ranks, schedules):
         seen.setdefault(schedule[first] if first < len(schedule) else "nothing", []).append(rank)
     what = "; ".join(f"{entry} on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}" for entry, r in seen.items())
     counts = ", ".join(f"rank {rank}: {len(s)}" for rank, s in zip(ranks, schedules))
+    when = ("found before the collective went out: no data was mixed" if before else
+            "data of different parameters may have been mixed; raised before the optimizer step")
     return (
-        f"fullshard: ranks ran different code in this iteration, so their collectives no longer match (data of "
-        f"different parameters may have been mixed; raised before the optimizer step): collective #{first + 1} was "
+        f"fullshard: ranks ran different code in this iteration, so their collectives no longer match ("
+        f"{when}): collective #{first + 1} was "
         f"{what}. Collectives this iteration: {counts}. Run the same modules the same number of times on every rank "
         f"(conditional compute must be decided identically on all ranks, e.g. from a broadcast value)."
     )
@@ -217,9 +255,9 @@ class _Watch:
         store = self.store
         if store is None:
             return
-        verdict_key = f"{_VERDICT}{self.check}"
-        if store.check([verdict_key]):
-            raise DivergenceError(store.get(verdict_key).decode())
+        verdict = _posted_verdict()
+        if verdict is not None:
+            raise diverged(verdict)
         if self.index < 0:
             return
         me, mine = dist.get_rank(), _schedule[self.index]
@@ -231,7 +269,7 @@ class _Watch:
             done_key, waiting_key = f"{_AT_CHECK}{self.check}/{rank}", f"{_WAITING}{self.check}/{rank}"
             if store.check([done_key]) and int(store.get(done_key).decode().split()[0]) <= self.index:
                 count = int(store.get(done_key).decode().split()[0])
-                self._raise(verdict_key, f"rank {rank} finished its backward after {count} collectives, while rank "
+                self._raise(f"rank {rank} finished its backward after {count} collectives, while rank "
                                          f"{me} waits in #{self.index + 1}, {mine}")
             if store.check([waiting_key]):
                 index, entry = store.get(waiting_key).decode().split(" ", 1)
@@ -242,27 +280,38 @@ class _Watch:
         self.suspects = found
         if agreed:
             rank, theirs = min(agreed)
-            self._raise(verdict_key, f"rank {me} waits in collective #{self.index + 1}, {mine}, while rank {rank} "
+            self._raise(f"rank {me} waits in collective #{self.index + 1}, {mine}, while rank {rank} "
                                      f"waits in {theirs}")
 
-    def _raise(self, verdict_key: str, what: str) -> None:
+    def _raise(self, what: str) -> None:
         message = (
             f"fullshard: ranks ran different code in this iteration, so their collectives no longer match: {what}. "
             f"Run the same modules the same number of times on every rank (conditional compute must be decided "
             f"identically on all ranks, e.g. from a broadcast value)."
         )
-        assert self.store is not None
-        self.store.set(verdict_key, message)
-        raise DivergenceError(message)
+        raise diverged(message)
 
 
-def _posted_verdict(index: int) -> str | None:
+def diverged(message: str) -> DivergenceError:
+    """The error to raise; posted in the store, where the waits of ranks that did not take part in the
+    comparison (other groups of an HSDP mesh, peers of a rank that left) find it and raise it too."""
+    _raised.add(message)
     store = _store()
-    key = f"{_VERDICT}{_checks - 1 if index < 0 else _checks}"
+    if store is not None:
+        try:
+            store.set(_VERDICT, message)
+        except Exception:  # the store is gone: the job is ending
+            pass
+    return DivergenceError(message)
+
+
+def _posted_verdict() -> str | None:
+    store = _store()
     try:
-        return store.get(key).decode() if store is not None and store.check([key]) else None
+        message = store.get(_VERDICT).decode() if store is not None and store.check([_VERDICT]) else None
     except Exception:  # the store is gone
         return None
+    return None if message in _raised else message
 
 
 def _publish_wait(store: Any, index: int, collective: str) -> None:
@@ -388,9 +437,9 @@ def wait(work: dist.Work, what: str, group: dist.ProcessGroup | None, index: int
     except RuntimeError as err:
         if isinstance(err, DivergenceError):
             raise
-        verdict = _posted_verdict(index)
-        if verdict is not None:  # the peer that found the divergence raised it and left
-            raise DivergenceError(verdict) from err
+        verdict = _posted_verdict()  # posted before the peer's error, so before its connections closed
+        if verdict is not None:  # a peer found the divergence, raised it and left
+            raise diverged(verdict) from err
         timed_out = "timed out" in str(err).lower()
         dead, behind, sentence = diagnose(group)
         cause = f"did not complete within {_timeout_s:g} s" if timed_out else "failed"

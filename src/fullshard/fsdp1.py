@@ -111,7 +111,10 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
         raise ValueError(f"clip_grad_norm_: max_norm must be at least 0 (inf: measure only), got {float(max_norm)}")
     if isinstance(norm_type, bool) or not isinstance(norm_type, int | float | str) or str(norm_type) == "nan":
         raise TypeError(f"clip_grad_norm_: norm_type must be a number or 'inf', got {norm_type!r}")
-    norm_type = float(norm_type)
+    try:
+        norm_type = float(norm_type)
+    except ValueError:  # a string that is no number (torch's clip_grad_norm_ raises ValueError too)
+        raise ValueError(f"clip_grad_norm_: norm_type must be a number or 'inf', got {norm_type!r}") from None
     infinite = math.isinf(norm_type)
     # Local pieces by (mesh, axes they are sharded over); plain gradients under (None, ()).
     buckets: dict[tuple[DeviceMesh | None, tuple[int, ...]], list[torch.Tensor]] = {}

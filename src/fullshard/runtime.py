@@ -126,8 +126,12 @@ class IterationContext:
         self.backward_prefetch_depth = 1
         self.backward_prefetch_mode = BackwardPrefetchMode.PRE
         # Where the end of backward compares the ranks' collectives ([Note: Divergence check] in failures.py).
-        infos = [state.group.mesh_info for state in states if state.group is not None]
-        self.check_group = failures.check_group(infos[0].shard_group or infos[0].replicate_group) if infos else None
+        groups = [state.group for state in states if state.group is not None]
+        self.check_group = failures.check_groups(
+            [g.mesh_info.shard_group or g.mesh_info.replicate_group for g in groups[:1]]
+            + [pg for g in groups for pg in (g.mesh_info.shard_group, g.mesh_info.replicate_group,
+                                             g.post_forward.group if g.post_forward is not None else None)]
+        )
 
     def start_forward(self) -> None:
         """The root's pre-forward: a new iteration's order begins."""

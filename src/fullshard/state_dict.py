@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.fsdp import OptimStateKeyType
 from torch.distributed.tensor import DTensor
 
-from fullshard.errors import expect_module
+from fullshard.errors import expect_bool, expect_module, expect_optimizer
 from fullshard.group import ParamGroup
 from fullshard.param import ShardedParam, full_tensor
 from fullshard.runtime import states_in
@@ -108,6 +108,8 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True, cpu_offload: b
     Collective: every rank must call it (each parameter is all-gathered in turn).
     """
     expect_module("full_state_dict", model)
+    expect_bool("full_state_dict", "rank0_only", rank0_only)
+    expect_bool("full_state_dict", "cpu_offload", cpu_offload)
     keep = not rank0_only or dist.get_rank() == 0
     out: dict[str, torch.Tensor] = {}
     for key, value in model.state_dict().items():
@@ -133,6 +135,8 @@ def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, *, ran
     they are. ``{}`` on ranks other than 0 when ``rank0_only``. Collective.
     """
     expect_module("full_optim_state_dict", model)
+    expect_optimizer("full_optim_state_dict", optim)
+    expect_bool("full_optim_state_dict", "rank0_only", rank0_only)
     names = _param_names(model)
     params = _optim_params(optim)
     osd = optim.state_dict()
@@ -160,6 +164,10 @@ def load_full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, f
     broadcasts the structure once and each full tensor in turn. Collective.
     """
     expect_module("load_full_optim_state_dict", model)
+    expect_optimizer("load_full_optim_state_dict", optim)
+    if full_osd is not None and not (isinstance(full_osd, Mapping) and "state" in full_osd and "param_groups" in full_osd):
+        raise TypeError("load_full_optim_state_dict: full_osd must be a dict from full_optim_state_dict (with 'state' "
+                        f"and 'param_groups'), or None on ranks other than 0; got {type(full_osd).__name__}")
     names = _param_names(model)
     params = _optim_params(optim)
     by_name = {names[p]: p for p in params}
@@ -256,6 +264,12 @@ def rekey_optim_state_dict(
     """
     if not isinstance(key_type, OptimStateKeyType):
         raise TypeError(f"key_type must be an OptimStateKeyType, got {key_type!r}")
+    expect_module("rekey_optim_state_dict", model)
+    if optim is not None:
+        expect_optimizer("rekey_optim_state_dict", optim)
+    if not (isinstance(osd, Mapping) and "state" in osd and "param_groups" in osd):
+        raise TypeError("rekey_optim_state_dict: osd must be an optimizer state dict (with 'state' and "
+                        f"'param_groups'), got {type(osd).__name__}")
     names = _param_names(model)
     order = _optim_params(optim) if optim is not None else list(model.parameters())
     id_to_name = {i: names[p] for i, p in enumerate(order)}

@@ -62,6 +62,8 @@ class CustomPolicy:
     """Shard every module for which ``fn(module)`` is true."""
 
     def __init__(self, fn: Callable[[nn.Module], Any]) -> None:
+        if not callable(fn):
+            raise TypeError(f"CustomPolicy expects a callable (module) -> bool, got {type(fn).__name__}")
         self.fn = fn
 
     def __call__(self, module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:

@@ -45,6 +45,9 @@ def build_config(spec: str, *, layers: int, dim: int, heads: int, seq_len: int) 
     try:
         config = transformers.AutoConfig.for_model(model_type, **{**values, "vocab_size": 256})
     except ValueError as err:
+        if model_type not in transformers.CONFIG_MAPPING:  # transformers lists every known type: too long for one line
+            raise UserError(f"--hf-model: unknown model type {model_type!r} (a transformers model_type such as llama, "
+                            "mistral, qwen2, gpt2; or a config .json)") from None
         raise UserError(f"--hf-model: {err}".splitlines()[0]) from None
     for name, value in sizes.items():
         if hasattr(config, name) or name in getattr(config, "attribute_map", {}):
