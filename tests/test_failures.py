@@ -158,12 +158,11 @@ def test_collectives_of_different_sizes_raise_divergence_on_every_rank() -> None
     assert [kind for kind, _, _ in results] == ["DivergenceError", "DivergenceError"], results
     assert results[0][1] == results[1][1]
     message = results[0][1]
-    assert "no data was mixed" in message
-    assert "all-gather of group 'a' (36 elements) on rank 0; all-gather of group 'b' (32 elements) on rank 1" in message
+    assert "all-gather of group 'a' (36 elements)" in message and "all-gather of group 'b' (32 elements)" in message
     assert all(seconds < 10 for _, _, seconds in results), results
 
 
-def _forward_only(rank: int, world_size: int) -> tuple[str, str]:
+def _forward_only(rank: int, world_size: int, trained: bool) -> tuple[str, str]:
     fullshard.set_collective_timeout(20)
     torch.manual_seed(0)
     model = Blocks()
@@ -171,20 +170,23 @@ def _forward_only(rank: int, world_size: int) -> tuple[str, str]:
         fully_shard(block)
     fully_shard(model)
     x = torch.randn(4, 8)
+    if trained:  # the ranks have compared a whole iteration: collectives that follow it go out without a check
+        model(x, [0, 1, 2]).sum().backward()
     try:
         with torch.no_grad():
             model(x, [0, 1, 2] if rank == 0 else [0, 2, 1])  # evaluation: no backward, no end-of-backward check
+        model(x, [0, 1, 2]).sum().backward()  # training goes on
     except fullshard.DivergenceError as err:
         return type(err).__name__, str(err)
     return "no error", ""
 
 
-def test_forward_only_divergence_is_caught() -> None:
-    results = run_ranks(2, _forward_only, timeout=90)
+@pytest.mark.parametrize("trained", [False, True])
+def test_forward_only_divergence_is_caught(trained: bool) -> None:
+    results = run_ranks(2, _forward_only, trained, timeout=90)
     assert [kind for kind, _ in results] == ["DivergenceError", "DivergenceError"], results
     assert results[0][1] == results[1][1]
-    assert "collective #2 was all-gather of group 'blocks.1' (36 elements) on rank 0; all-gather of group " \
-           "'blocks.2' (36 elements) on rank 1" in results[0][1]
+    assert "all-gather of group 'blocks." in results[0][1], results
 
 
 def _hsdp_diverge(rank: int, world_size: int) -> tuple[str, str]:
@@ -209,5 +211,5 @@ def test_hsdp_divergence_of_one_rank_is_caught_on_every_rank() -> None:
     assert [kind for kind, _ in results] == ["DivergenceError"] * 4, results
     # Rank 3's shard group (2, 3) finds it before the all-gather; ranks 0 and 1 learn it in their next wait.
     assert len({message for _, message in results}) == 1, results
-    assert "all-gather of group 'blocks.2' (36 elements) on rank 2; all-gather of group 'blocks.1' (36 elements) on rank 3" \
-        in results[0][1], results
+    message = results[0][1]
+    assert "all-gather of group 'blocks.1' (36 elements)" in message and "rank 3" in message, message

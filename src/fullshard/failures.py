@@ -36,21 +36,32 @@ CRC-32 of it. Comparisons run on a gloo backend of their own per rank set,
 built at lazy init (also in NCCL jobs: it needs no device work or sync, and it
 completes when mismatched NCCL collectives hang on the device):
 
-- Before each collective on a gloo group, the group's ranks all-gather
-  (before, index, CRC of the entry): 24 bytes, one round trip. A difference is
-  found before the collective goes out, so nothing is mixed and gloo never
-  sees a size mismatch; forward-only passes are covered too.
 - At the end of each backward, the ranks of the root's shard group all-gather
-  (end, count, CRC of the list). This is what catches a difference on NCCL
-  (where a check per collective would be a host round trip per collective),
-  before the optimizer step can use mixed gradients. The rows have one size, so
-  a rank's end check pairs with a peer's check before an extra collective, and
-  the difference shows there.
+  (end, count, CRC of the list). This catches a difference on NCCL before the
+  optimizer step can use mixed gradients, and a list found identical becomes
+  the *verified* schedule.
+- On gloo groups, a rank compares a collective with its peers before issuing
+  it, in a 24-byte all-gather (before, index, CRC of the entry), whenever the
+  collective is not the one at the same place of the verified schedule: every
+  collective of the first iteration, and each one from where a rank's code
+  departs from the last iteration. In steady state nothing is compared (a
+  check per collective is a host round trip, about 0.4 ms on a loaded CPU
+  machine). A rank that departs never issues the differing collective, so
+  nothing is mixed and gloo never sees a size mismatch (which aborts the
+  receiving rank). When all ranks depart alike (an evaluation pass, a
+  schedule change decided on every rank) their checks pair and pass. When
+  one rank departs alone, it waits in its check while its peers wait in the
+  real collective: the store comparison below names both. The rows of both
+  checks have one size, so a check before an extra collective pairs with a
+  peer's end check and the difference shows there.
 
 On a difference the ranks exchange their lists and every rank raises the same
 ``DivergenceError`` naming the first collective that differs. The message is
-also posted in the store: ranks outside the comparing group (the other groups
-of an HSDP mesh) find it in their next wait and raise it too.
+also posted in the store (the first verdict of a check wins, so two ranks
+that find it at once still agree): ranks outside the comparing group (the
+other groups of an HSDP mesh) find it in their next wait and raise it too, and
+the rank that posted waits up to a few seconds for every rank to have read it
+(the store may live in its process).
 
 A rank waiting on the host in a collective its peer never reaches (the peer
 finished the iteration with fewer collectives and runs other code) looks in
@@ -80,7 +91,7 @@ POLL_S = 1.0  # host waits longer than this look for failures between slices
 _PREFIX = f"fullshard/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
 _KEY = _PREFIX + "heartbeat/"
 _AT_CHECK = _PREFIX + "at-check/"  # + "<check>/<rank>": "<count> <crc>", posted before each check
-_VERDICT = _PREFIX + "verdict"  # the latest DivergenceError message, for ranks that did not see the difference
+_VERDICT = _PREFIX + "verdict/"  # + "<check>": the DivergenceError message (the first posted wins)
 _WAITING = _PREFIX + "waiting/"  # + "<check>/<rank>": "<index> <collective>" while a host wait is long
 _checks = 0  # divergence checks this process has started
 _check_groups: dict[tuple[int, ...], CheckGroup] = {}
@@ -92,7 +103,8 @@ _heartbeat: threading.Thread | None = None
 _schedule: list[str] = []  # this iteration's fullshard collectives, see [Note: Divergence check]
 _schedule_crc = 0
 _raised: set[str] = set()  # DivergenceError messages this process raised (a posted one is news only once)
-_prechecked: dict[dist.ProcessGroup, CheckGroup] = {}  # gloo groups whose collectives are compared first
+_prechecked: dict[dist.ProcessGroup, CheckGroup] = {}  # gloo groups whose collectives may be compared first
+_verified: list[str] = []  # the last schedule the end check found identical on every rank
 _BEFORE, _END = 0, 1  # what a check compares: the next collective, or the whole iteration
 
 
@@ -134,7 +146,7 @@ def issued(kind: str, label: str, numel: int, group: dist.ProcessGroup | None = 
     _schedule_crc = zlib.crc32(entry.encode(), _schedule_crc)
     index = len(_schedule) - 1
     check = _prechecked.get(group) if group is not None else None
-    if check is not None:
+    if check is not None and (index >= len(_verified) or _verified[index] != entry):
         _compare(check, (_BEFORE, index, entry_crc), list(_schedule), index, f"the check before the {entry}")
     return index
 
@@ -205,6 +217,7 @@ def check_schedule(check: CheckGroup) -> None:
     if store is not None:
         store.set(f"{_AT_CHECK}{number}/{dist.get_rank()}", f"{len(entries)} {crc}")
     _compare(check, (_END, len(entries), crc), entries, -1, "the divergence check")
+    _verified[:] = entries
 
 
 def _compare(check: CheckGroup, row: tuple[int, int, int], entries: list[str], index: int, what: str) -> None:
@@ -214,13 +227,14 @@ def _compare(check: CheckGroup, row: tuple[int, int, int], entries: list[str], i
     if all(v == values[0] for v in values):
         return
     new_iteration()
+    _verified.clear()
     data = torch.frombuffer(bytearray(json.dumps(entries).encode()), dtype=torch.uint8)
     sizes = _all_gather(check, torch.tensor([data.numel()]), what, -1).view(-1).tolist()
     padded = torch.zeros(max(sizes), dtype=torch.uint8)
     padded[: data.numel()] = data
     rows = _all_gather(check, padded, what, -1)
     schedules = [json.loads(bytes(row[:n].tolist()).decode()) for row, n in zip(rows, sizes)]
-    raise diverged(_difference(list(check.ranks), schedules, before=any(v[0] == _BEFORE for v in values)))
+    raise diverged(_difference(list(check.ranks), schedules, before=any(v[0] == _BEFORE for v in values)), index)
 
 
 def _difference(ranks: list[int], schedules: list[list[str]], before: bool) -> str:
@@ -255,9 +269,9 @@ class _Watch:
         store = self.store
         if store is None:
             return
-        verdict = _posted_verdict()
+        verdict = _posted_verdict(self.index)
         if verdict is not None:
-            raise diverged(verdict)
+            raise diverged(verdict, self.index)
         if self.index < 0:
             return
         me, mine = dist.get_rank(), _schedule[self.index]
@@ -289,26 +303,41 @@ class _Watch:
             f"Run the same modules the same number of times on every rank (conditional compute must be decided "
             f"identically on all ranks, e.g. from a broadcast value)."
         )
-        raise diverged(message)
+        raise diverged(message, self.index)
 
 
-def diverged(message: str) -> DivergenceError:
+def _verdict_key(index: int) -> str:
+    """The verdict of this iteration's check (``index`` -1: the check in progress, already counted)."""
+    return f"{_VERDICT}{_checks - 1 if index < 0 else _checks}"
+
+
+def diverged(message: str, index: int) -> DivergenceError:
     """The error to raise; posted in the store, where the waits of ranks that did not take part in the
-    comparison (other groups of an HSDP mesh, peers of a rank that left) find it and raise it too."""
-    _raised.add(message)
+    comparison (other groups of an HSDP mesh, peers of a rank that left) find it and raise it too. When two
+    ranks find a difference at once, the first posted wins: every rank raises the same message."""
     store = _store()
     if store is not None:
         try:
-            store.set(_VERDICT, message)
+            message = store.compare_set(_verdict_key(index), "", message).decode()
+            # Wait (bounded) until every rank has it too: the store may live in this process (rank 0 of a
+            # local launch), and ranks that are still computing read it at their next wait.
+            seen = f"{_PREFIX}seen/{zlib.crc32(message.encode()):08x}/"
+            store.set(f"{seen}{dist.get_rank()}", "1")
+            everyone = [f"{seen}{rank}" for rank in range(dist.get_world_size())]
+            deadline = time.monotonic() + 2.5 * POLL_S
+            while not store.check(everyone) and time.monotonic() < deadline:
+                time.sleep(0.05)
         except Exception:  # the store is gone: the job is ending
             pass
+    _raised.add(message)
     return DivergenceError(message)
 
 
-def _posted_verdict() -> str | None:
+def _posted_verdict(index: int) -> str | None:
     store = _store()
     try:
-        message = store.get(_VERDICT).decode() if store is not None and store.check([_VERDICT]) else None
+        key = _verdict_key(index)
+        message = store.get(key).decode() if store is not None and store.check([key]) else None
     except Exception:  # the store is gone
         return None
     return None if message in _raised else message
@@ -437,9 +466,9 @@ def wait(work: dist.Work, what: str, group: dist.ProcessGroup | None, index: int
     except RuntimeError as err:
         if isinstance(err, DivergenceError):
             raise
-        verdict = _posted_verdict()  # posted before the peer's error, so before its connections closed
+        verdict = _posted_verdict(index)  # posted before the peer's error, so before its connections closed
         if verdict is not None:  # a peer found the divergence, raised it and left
-            raise diverged(verdict) from err
+            raise diverged(verdict, index) from err
         timed_out = "timed out" in str(err).lower()
         dead, behind, sentence = diagnose(group)
         cause = f"did not complete within {_timeout_s:g} s" if timed_out else "failed"
