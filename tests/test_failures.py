@@ -7,6 +7,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -213,3 +214,44 @@ def test_hsdp_divergence_of_one_rank_is_caught_on_every_rank() -> None:
     assert len({message for _, message in results}) == 1, results
     message = results[0][1]
     assert "all-gather of group 'blocks.1' (36 elements)" in message and "rank 3" in message, message
+
+
+def _checks_per_iteration(rank: int, world_size: int) -> list[int]:
+    """How many collectives are compared before they go out, per backward, in plain training and then with
+    gradient accumulation (two micro-batches without gradient sync, one with)."""
+    from fullshard import failures
+
+    compared = []
+    real = failures._compare
+
+    def counting(check: Any, row: tuple[int, int, int], *args: Any) -> None:
+        if row[0] == failures._BEFORE:
+            compared.append(row[1])
+        real(check, row, *args)
+
+    failures._compare = counting
+    torch.manual_seed(0)
+    model = Blocks()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    x = torch.randn(4, 8)
+    counts = []
+    for step in range(9):
+        sync = step < 3 or step % 3 == 2
+        model.set_requires_gradient_sync(sync)
+        model(x, [0, 1, 2]).sum().backward()
+        counts.append(len(compared))
+        compared.clear()
+    return counts
+
+
+def test_steady_state_compares_only_where_known_schedules_branch() -> None:
+    counts = run_ranks(2, _checks_per_iteration, timeout=90)
+    assert counts[0] == counts[1]
+    first, *rest = counts[0]
+    assert first >= 9, counts  # every collective of the first iteration (3 blocks: all-gathers, reduce-scatters)
+    assert rest[:2] == [0, 0], counts  # the same iteration again: nothing
+    # Accumulating: the known schedules with and without reduce-scatters branch at the first reduce-scatter:
+    # one comparison per backward, there.
+    assert rest[2:] == [1] * 6, counts

@@ -38,22 +38,27 @@ completes when mismatched NCCL collectives hang on the device):
 
 - At the end of each backward, the ranks of the root's shard group all-gather
   (end, count, CRC of the list). This catches a difference on NCCL before the
-  optimizer step can use mixed gradients, and a list found identical becomes
-  the *verified* schedule.
+  optimizer step can use mixed gradients. A list found identical is *known*
+  (the last ``KNOWN_SCHEDULES`` distinct ones are kept, the same on every rank).
 - On gloo groups, a rank compares a collective with its peers before issuing
-  it, in a 24-byte all-gather (before, index, CRC of the entry), whenever the
-  collective is not the one at the same place of the verified schedule: every
-  collective of the first iteration, and each one from where a rank's code
-  departs from the last iteration. In steady state nothing is compared (a
-  check per collective is a host round trip, about 0.4 ms on a loaded CPU
-  machine). A rank that departs never issues the differing collective, so
-  nothing is mixed and gloo never sees a size mismatch (which aborts the
-  receiving rank). When all ranks depart alike (an evaluation pass, a
-  schedule change decided on every rank) their checks pair and pass. When
-  one rank departs alone, it waits in its check while its peers wait in the
-  real collective: the store comparison below names both. The rows of both
-  checks have one size, so a check before an extra collective pairs with a
-  peer's end check and the difference shows there.
+  it, in a 24-byte all-gather (before, index, CRC of the entry), unless every
+  known schedule it has followed so far this iteration has this collective
+  next: so in the first iteration every collective is compared, and later
+  only where the known schedules branch (with and without gradient sync: at
+  the first reduce-scatter) or where a rank's code departs from all of them.
+  Steady state compares nothing or once per backward (a check per collective
+  is a host round trip, about 0.4 ms on a loaded CPU machine; on every
+  collective it cost 15% of the bench GPT's step). A rank that departs never
+  issues the differing collective, so nothing is mixed and gloo never sees a
+  size mismatch (which aborts the receiving rank). When all ranks depart
+  alike (an evaluation pass, a schedule change decided on every rank) their
+  checks pair and pass. When one rank departs alone, it waits in its check
+  while its peers wait in the real collective: the store comparison below
+  names both. The rows of both checks have one size, so a check before an
+  extra collective pairs with a peer's end check and the difference shows.
+  Ranks that follow the same known schedules compare at the same places, and
+  every place two known schedules differ is compared, so two ranks cannot
+  follow different ones unchecked.
 
 On a difference the ranks exchange their lists and every rank raises the same
 ``DivergenceError`` naming the first collective that differs. The message is
@@ -104,7 +109,9 @@ _schedule: list[str] = []  # this iteration's fullshard collectives, see [Note: 
 _schedule_crc = 0
 _raised: set[str] = set()  # DivergenceError messages this process raised (a posted one is news only once)
 _prechecked: dict[dist.ProcessGroup, CheckGroup] = {}  # gloo groups whose collectives may be compared first
-_verified: list[str] = []  # the last schedule the end check found identical on every rank
+KNOWN_SCHEDULES = 4
+_known: list[tuple[str, ...]] = []  # distinct schedules end checks found identical on every rank, newest last
+_candidates: list[tuple[str, ...]] = []  # the known schedules this iteration has followed so far
 _BEFORE, _END = 0, 1  # what a check compares: the next collective, or the whole iteration
 
 
@@ -138,7 +145,7 @@ def issued(kind: str, label: str, numel: int, group: dist.ProcessGroup | None = 
     """Count one fullshard collective (published by the heartbeat) and add it to this iteration's schedule;
     return its index there. Call it before issuing the collective on ``group``: on gloo groups the ranks
     compare it first and raise ``DivergenceError`` when it differs ([Note: Divergence check])."""
-    global _issued, _schedule_crc
+    global _issued, _schedule_crc, _candidates
     _issued += 1
     entry = f"{kind} of group {label!r} ({numel} elements)"
     _schedule.append(entry)
@@ -146,15 +153,19 @@ def issued(kind: str, label: str, numel: int, group: dist.ProcessGroup | None = 
     _schedule_crc = zlib.crc32(entry.encode(), _schedule_crc)
     index = len(_schedule) - 1
     check = _prechecked.get(group) if group is not None else None
-    if check is not None and (index >= len(_verified) or _verified[index] != entry):
-        _compare(check, (_BEFORE, index, entry_crc), list(_schedule), index, f"the check before the {entry}")
+    if check is not None:
+        following = [known for known in _candidates if index < len(known) and known[index] == entry]
+        if len(following) != len(_candidates) or not following:  # the known schedules branch here, or none is left
+            _compare(check, (_BEFORE, index, entry_crc), list(_schedule), index, f"the check before the {entry}")
+        _candidates = following
     return index
 
 
 def new_iteration() -> None:
-    global _schedule_crc
+    global _schedule_crc, _candidates
     _schedule.clear()
     _schedule_crc = 0
+    _candidates = list(_known)
 
 
 @dataclass(frozen=True)
@@ -217,7 +228,11 @@ def check_schedule(check: CheckGroup) -> None:
     if store is not None:
         store.set(f"{_AT_CHECK}{number}/{dist.get_rank()}", f"{len(entries)} {crc}")
     _compare(check, (_END, len(entries), crc), entries, -1, "the divergence check")
-    _verified[:] = entries
+    verified = tuple(entries)
+    if verified in _known:
+        _known.remove(verified)
+    _known.append(verified)
+    del _known[:-KNOWN_SCHEDULES]
 
 
 def _compare(check: CheckGroup, row: tuple[int, int, int], entries: list[str], index: int, what: str) -> None:
@@ -226,8 +241,8 @@ def _compare(check: CheckGroup, row: tuple[int, int, int], entries: list[str], i
     values = _all_gather(check, torch.tensor(row, dtype=torch.int64), what, index).tolist()
     if all(v == values[0] for v in values):
         return
+    _known.clear()
     new_iteration()
-    _verified.clear()
     data = torch.frombuffer(bytearray(json.dumps(entries).encode()), dtype=torch.uint8)
     sizes = _all_gather(check, torch.tensor([data.numel()]), what, -1).view(-1).tolist()
     padded = torch.zeros(max(sizes), dtype=torch.uint8)
