@@ -255,3 +255,27 @@ def test_steady_state_compares_only_where_known_schedules_branch() -> None:
     # Accumulating: the known schedules with and without reduce-scatters branch at the first reduce-scatter:
     # one comparison per backward, there.
     assert rest[2:] == [1] * 6, counts
+
+
+def _slow_rank(rank: int, world_size: int) -> list[float]:
+    fullshard.set_collective_timeout(30)
+    torch.manual_seed(0)
+    model = Blocks()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    x = torch.randn(4, 8) + rank
+    losses = []
+    for step in range(3):
+        out = model(x, [0, 1, 2])
+        if step == 1 and rank == 2:
+            time.sleep(3.5)  # the others wait in their collectives for several looks
+        loss = out.sum()
+        loss.backward()
+        losses.append(loss.item())
+    return losses
+
+
+def test_a_slow_rank_is_not_a_divergence() -> None:
+    results = run_ranks(3, _slow_rank, timeout=120)
+    assert all(len(losses) == 3 for losses in results), results
