@@ -91,6 +91,17 @@ class Blocks(torch.nn.Module):
         return x
 
 
+def sharded_blocks(timeout: float, mesh: Any = None) -> Blocks:
+    """Three same-shaped blocks, each its own group, and a collective timeout short enough for a test."""
+    fullshard.set_collective_timeout(timeout)
+    torch.manual_seed(0)
+    model = Blocks()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 ORDERS = {  # per rank: the blocks it runs
     "twice": [[0, 1, 1, 2], [0, 1, 2]],
     "skip": [[0, 1, 2], [0, 2]],
@@ -99,12 +110,7 @@ ORDERS = {  # per rank: the blocks it runs
 
 
 def _diverge(rank: int, world_size: int, case: str) -> tuple[str, str, float]:
-    fullshard.set_collective_timeout(30)
-    torch.manual_seed(0)
-    model = Blocks()
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+    model = sharded_blocks(30)
     x = torch.randn(4, 8)
     model(x, [0, 1, 2]).sum().backward()  # a matching iteration first
     start = time.monotonic()
@@ -164,12 +170,7 @@ def test_collectives_of_different_sizes_raise_divergence_on_every_rank() -> None
 
 
 def _forward_only(rank: int, world_size: int, trained: bool) -> tuple[str, str]:
-    fullshard.set_collective_timeout(20)
-    torch.manual_seed(0)
-    model = Blocks()
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+    model = sharded_blocks(20)
     x = torch.randn(4, 8)
     if trained:  # the ranks have compared a whole iteration: collectives that follow it go out without a check
         model(x, [0, 1, 2]).sum().backward()
@@ -191,13 +192,7 @@ def test_forward_only_divergence_is_caught(trained: bool) -> None:
 
 
 def _hsdp_diverge(rank: int, world_size: int) -> tuple[str, str]:
-    fullshard.set_collective_timeout(20)
-    torch.manual_seed(0)
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    model = Blocks()
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = sharded_blocks(20, init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
     x = torch.randn(4, 8)
     model(x, [0, 1, 2]).sum().backward()
     try:
@@ -230,11 +225,7 @@ def _checks_per_iteration(rank: int, world_size: int) -> list[int]:
         real(check, row, *args)
 
     failures._compare = counting
-    torch.manual_seed(0)
-    model = Blocks()
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+    model = sharded_blocks(30)
     x = torch.randn(4, 8)
     counts = []
     for step in range(9):
@@ -258,12 +249,7 @@ def test_steady_state_compares_only_where_known_schedules_branch() -> None:
 
 
 def _slow_rank(rank: int, world_size: int) -> list[float]:
-    fullshard.set_collective_timeout(30)
-    torch.manual_seed(0)
-    model = Blocks()
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+    model = sharded_blocks(30)
     x = torch.randn(4, 8) + rank
     losses = []
     for step in range(3):
