@@ -206,7 +206,7 @@ def _all_gather(check: CheckGroup, values: torch.Tensor, what: str, index: int) 
 
 def check_groups(groups: list[dist.ProcessGroup | None]) -> CheckGroup | None:
     """Build the check backends of ``groups`` (collective over each group's ranks: lazy init, which every rank
-    runs at its first forward) and compare every collective on the gloo ones before it goes out ([Note:
+    runs at its first forward); collectives on the gloo ones may be compared before they go out ([Note:
     Divergence check]). Returns the first group's, where the end of backward compares the schedules."""
     unique = {id(g): g for g in groups if g is not None and dist.get_backend(g) != "fake"}
     # One creation order on every rank (sorted rank sets), so creations that wait on each other never cycle.
