@@ -265,3 +265,27 @@ def _slow_rank(rank: int, world_size: int) -> list[float]:
 def test_a_slow_rank_is_not_a_divergence() -> None:
     results = run_ranks(3, _slow_rank, timeout=120)
     assert all(len(losses) == 3 for losses in results), results
+
+
+def _sync_on_one_rank(rank: int, world_size: int, before: list[bool]) -> tuple[str, str]:
+    model = sharded_blocks(30)
+    x = torch.randn(4, 8)
+    for sync in before:
+        model.set_requires_gradient_sync(sync)
+        model(x, [0, 1, 2]).sum().backward()
+    model.set_requires_gradient_sync(rank == 1)  # rank 0 accumulates, rank 1 reduces
+    try:
+        model(x, [0, 1, 2]).sum().backward()
+        model.set_requires_gradient_sync(True)
+        model(x, [0, 1, 2]).sum().backward()
+    except fullshard.DivergenceError as err:
+        return type(err).__name__, str(err)
+    return "no error", ""
+
+
+@pytest.mark.parametrize("before", [[True], [False, True]], ids=["after-synced", "after-accumulating"])
+def test_gradient_sync_on_one_rank_only_is_a_divergence(before: list[bool]) -> None:
+    results = run_ranks(2, _sync_on_one_rank, before, timeout=90)
+    assert [kind for kind, _ in results] == ["DivergenceError", "DivergenceError"], results
+    assert results[0][1] == results[1][1]
+    assert "reduce-scatter of group 'blocks.2'" in results[0][1], results
