@@ -149,14 +149,14 @@ def issued(kind: str, label: str, numel: int, group: dist.ProcessGroup | None = 
     _issued += 1
     entry = f"{kind} of group {label!r} ({numel} elements)"
     _schedule.append(entry)
-    entry_crc = zlib.crc32(entry.encode())
-    _schedule_crc = zlib.crc32(entry.encode(), _schedule_crc)
+    data = entry.encode()
+    _schedule_crc = zlib.crc32(data, _schedule_crc)
     index = len(_schedule) - 1
     check = _prechecked.get(group) if group is not None else None
     if check is not None:
         following = [known for known in _candidates if index < len(known) and known[index] == entry]
         if len(following) != len(_candidates) or not following:  # the known schedules branch here, or none is left
-            _compare(check, (_BEFORE, index, entry_crc), list(_schedule), index, f"the check before the {entry}")
+            _compare(check, (_BEFORE, index, zlib.crc32(data)), list(_schedule), index, f"the check before the {entry}")
         _candidates = following
     return index
 
