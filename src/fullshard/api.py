@@ -170,7 +170,7 @@ def fully_shard(
         group.codecs = make_codecs(group, comm_policy, mp_policy)
         if post_forward_size is not None:
             group.set_post_forward_group(post_forward_group(mesh_info, post_forward_size))
-        register_state_dict_hooks(group)
+        register_state_dict_hooks(group, tuple(modules))
     for lower in leaving:
         if not lower.params:
             for state in below.values():
@@ -605,13 +605,14 @@ class FSDPModule:
             state.ctx.recover()
 
     def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> Any:
-        """``to()``, ``to_empty()``, ``float()``...: convert, then re-link the flat shard buffer (see ``ParamGroup.relink``)."""
+        """``to()``, ``to_empty()``, ``float()``...: convert, then re-link the flat shard buffer once every module
+        of the group has converted (see [Note: Converting a group] in group.py)."""
         state = self._get_hook_state()
         if state.group is not None:
             state.group.reshard()
         result = super()._apply(fn, recurse)  # type: ignore[misc]
         if state.group is not None:
-            state.group.relink()
+            state.group.member_converted(self._as_module(), state.modules)
         return result
 
     def __deepcopy__(self, memo: dict[int, Any]) -> NoReturn:

@@ -106,6 +106,7 @@ class ParamGroup:
         self._pending_layout = self.layout  # the layout the in-flight all-gather's output has
         self.post_forward: PostForwardShard | None = None
         # Where the flat shard and gradient buffers live: the device, or pinned CPU memory when offloading.
+        self.offload_to_cpu = offload_to_cpu
         self.shard_device = torch.device("cpu") if offload_to_cpu else device
         self.pin_memory = offload_to_cpu and pin_memory and device.type != "cpu"
         self.reducer = GradReducer(self)  # gradient reduction and its settings
@@ -114,6 +115,10 @@ class ParamGroup:
         # One codec per parameter when the group all-gathers packed ([Note: Packed all-gather] in codec.py).
         self.codecs: list[Codec] | None = None
         self._part_counts: list[int] = []
+        # [Note: Converting a group]: the member modules converted since the flat shard buffer was last
+        # linked, and whether the sharded parameters have left it (linked again before the next all-gather).
+        self._converted: set[nn.Module] = set()
+        self.stale = False
 
         # Parameters on the meta device (deferred initialisation) get a meta flat shard
         # buffer; `FSDPModule.to_empty()` / `_apply` re-link them to real memory.
@@ -220,12 +225,42 @@ class ParamGroup:
         return self.flat_shard.device.type == "meta"
 
     def check_materialized(self) -> None:
-        if self.on_meta:
-            names = ", ".join(p.fqn for p in self.params)
-            raise MetaParameterError(
-                f"parameters of {self.label or 'the module'} are still on the meta device ({names}); call "
-                "model.to_empty(device=...) and initialise them (e.g. reset_parameters()) before the first forward"
+        """Raise unless the flat shard buffer holds every parameter's real values (link it first if needed)."""
+        if self.stale:
+            self.relink()
+        if self.stale or self.on_meta:
+            on_meta = [p.fqn for p in self.params if p.sharded.to_local().device.type == "meta"]
+            if on_meta or self.on_meta:
+                names = ", ".join(on_meta or [p.fqn for p in self.params])
+                raise MetaParameterError(
+                    f"parameters of {self.label or 'the module'} are still on the meta device ({names}); call "
+                    "model.to_empty(device=...) and initialise them (e.g. reset_parameters()) before the first forward"
+                )
+            devices = ", ".join(f"{p.fqn} on {p.sharded.to_local().device}" for p in self.params)
+            raise ValueError(
+                f"the parameters of {self.label or 'the module'}'s fully_shard group are on different devices "
+                f"({devices}); move the whole model (or every module of the group) to one device"
             )
+
+    # [Note: Converting a group]
+    # `to()`, `to_empty()`, `float()`, `load_state_dict(assign=True)`... give the sharded
+    # parameters new local tensors one module at a time, and one group may span several
+    # modules (a list group, a parameter tied into an enclosing group). The group is
+    # linked again (its flat shard buffer rebuilt from the new local tensors) only once
+    # every member module has been converted, and never while its parameters' local
+    # tensors are on different devices (some still on meta): a link copies from every
+    # parameter, so it must not copy from one that is not converted yet. Until then the
+    # group is *stale*: each sharded parameter is a self-standing DTensor (values can be
+    # initialised, loaded or read), and the next all-gather (or lazy init) links it, or
+    # raises naming the parameters still on meta or on another device.
+
+    def member_converted(self, module: nn.Module, members: tuple[nn.Module, ...]) -> None:
+        """``module`` (one of ``members``, the group's fully_shard modules) has converted its parameters."""
+        self._converted.add(module)
+        if all(m in self._converted for m in members):
+            self.relink()
+        else:
+            self.stale = True
 
     @torch.no_grad()
     def adopt_reassigned(self) -> None:
@@ -274,6 +309,21 @@ class ParamGroup:
             self.relink()
 
     @torch.no_grad()
+    def take_over(self, p: ShardedParam, value: torch.Tensor) -> None:
+        """Make ``p``'s sharded parameter (the same object) hold ``value``: a DTensor of any placement or the full
+        tensor, kept in its own dtype and device (``load_state_dict(assign=True)``). Linked later."""
+        if tuple(value.shape) != p.shape:
+            raise ValueError(f"{p.fqn}: expected shape {p.shape}, got {tuple(value.shape)}")
+        if isinstance(value, DTensor) and value.placements == p.sharded.placements and value.device_mesh == p.sharded.device_mesh:
+            local = value.to_local()
+        else:
+            local = p.local_part(full_tensor(value) if isinstance(value, DTensor) else value)
+        replacement = nn.Parameter(p.as_dtensor_of(p.wrap_local(local.detach())), requires_grad=value.requires_grad)
+        torch.utils.swap_tensors(p.sharded, replacement)
+        p.register(p.sharded)
+        self.stale = True
+
+    @torch.no_grad()
     def relink(self) -> None:
         """Make the flat shard buffer the storage of the sharded parameters again.
 
@@ -286,6 +336,11 @@ class ParamGroup:
         self.reshard()
         self.streams.shards_written()
         locals_ = [inner_tensor(p.sharded.to_local()) for p in self.params]
+        if len({loc.device for loc in locals_}) > 1:  # some not converted yet ([Note: Converting a group])
+            self.stale = True
+            return
+        self._converted.clear()
+        self.stale = False
         chunks = self.chunks(self.flat_shard)
         if all(
             loc.dtype == chunk.dtype and loc.device == self.flat_shard.device
@@ -295,6 +350,8 @@ class ParamGroup:
         ):
             return
         dtype, device = locals_[0].dtype, locals_[0].device
+        if self.offload_to_cpu and device.type != "meta":
+            device = torch.device("cpu")  # offloaded shards stay in host memory, wherever the module was moved
         pin = self.pin_memory and device.type == "cpu"
         for p, loc in zip(self.params, locals_):
             p.orig_dtype = loc.dtype

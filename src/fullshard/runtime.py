@@ -342,6 +342,7 @@ class HookState:
         for state in states:
             if state.group is not None:
                 state.group.adopt_reassigned()
+                state.group.relink()  # also after conversions that bypassed FSDPModule._apply (a submodule's to())
         ctx = IterationContext(states, self.streams)
         for state in states:
             state.ctx = ctx

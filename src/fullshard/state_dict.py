@@ -29,17 +29,18 @@ from fullshard.param import ShardedParam, full_tensor
 from fullshard.runtime import states_in
 
 
-def register_state_dict_hooks(group: ParamGroup) -> None:
+def register_state_dict_hooks(group: ParamGroup, members: tuple[nn.Module, ...]) -> None:
     """Register the hooks of [Note: State dict hooks] on every module holding a parameter of ``group``.
 
-    The hooks look up the group's parameters when they run: a tied parameter taken over by an
-    enclosing group later is then handled by that group's hooks.
+    ``members``: the modules of the group's ``fully_shard`` call. The hooks look up the group's
+    parameters when they run: a tied parameter taken over by an enclosing group later is then
+    handled by that group's hooks.
     """
-    for module in {site.module: None for p in group.params for site in p.sites}:
+    for module in {site.module: None for p in group.params for site in p.sites} | dict.fromkeys(members):
         entries = functools.partial(_entries, group, module)
         module.register_state_dict_post_hook(_sharded_values(entries))
         module.register_load_state_dict_pre_hook(_to_local_shards(group, entries))
-        module.register_load_state_dict_post_hook(_readopt(entries))
+        module.register_load_state_dict_post_hook(_take_assigned(group, entries, members if module in members else None))
 
 
 def _entries(group: ParamGroup, module: nn.Module) -> list[tuple[str, ShardedParam]]:
@@ -70,20 +71,25 @@ def _to_local_shards(group: ParamGroup, entries: Callable[[], list[tuple[str, Sh
             if tuple(value.shape) != p.shape:
                 continue  # load_state_dict reports the size mismatch itself
             full = full_tensor(value) if isinstance(value, DTensor) else value
-            local = p.local_part(full).to(device=p.sharded.to_local().device)
+            device = p.sharded.to_local().device
+            local = p.local_part(full).to(device=group.shard_device if device.type == "meta" else device)
             state_dict[key] = p.as_dtensor_of(local)
 
     return hook
 
 
-def _readopt(entries: Callable[[], list[tuple[str, ShardedParam]]]):  # type: ignore[no-untyped-def]
+def _take_assigned(  # type: ignore[no-untyped-def]
+    group: ParamGroup, entries: Callable[[], list[tuple[str, ShardedParam]]], members: tuple[nn.Module, ...] | None
+):
+    """``load_state_dict(assign=True)`` registered new tensors: the sharded parameters (same objects) take them
+    over, and once every member module of the group has loaded, the group is linked ([Note: Converting a group])."""
     def hook(module: nn.Module, incompatible_keys: Any) -> None:
         for name, p in entries():
             registered = module._parameters.get(name)
-            if registered is None or registered is p.sharded or registered is p.unsharded:
-                continue
-            p.adopt(registered)  # load_state_dict(assign=True) put a new tensor there
-            p.register(p.sharded)
+            if registered is not None and registered is not p.sharded and registered is not p.unsharded:
+                group.take_over(p, registered)
+        if members is not None and group.stale:
+            group.member_converted(module, members)
 
     return hook
 
