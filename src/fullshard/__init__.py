@@ -32,6 +32,7 @@ from fullshard.state_dict import (
     load_full_optim_state_dict,
     rekey_optim_state_dict,
 )
+from fullshard.swap import use_as_fsdp2
 from fullshard.wrap import (
     BackwardPrefetch,
     CPUOffload,
@@ -85,6 +86,7 @@ __all__ = [
     "share_comm_ctx",
     "size_based_auto_wrap_policy",
     "summon_full_params",
+    "use_as_fsdp2",
 ]
 
 # One logger for the package, quiet unless the application configures logging.
