@@ -77,14 +77,18 @@ def test_fsdp2_exception_types_and_messages() -> None:
 
 def shard_tied(layout: str, model: nn.Module) -> None:
     """``model.head.weight is model.tok.weight``; the tie's modules sharded in separate calls."""
+    if layout == "tied_after_all":  # untied while every fully_shard call runs, tied before the first forward
+        model.head.weight = nn.Parameter(model.tok.weight.detach().clone())
     fully_shard(model.tok)
-    if layout == "siblings":
+    if layout in ("siblings", "tied_after_all"):
         fully_shard(model.head)
     elif layout == "tied_after":
         model.head.weight = model.tok.weight  # the tok group's sharded parameter
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
+    if layout == "tied_after_all":
+        model.head.weight = model.tok.weight
 
 
 def _tie_across_groups(rank: int, world_size: int, layout: str) -> None:
@@ -94,6 +98,8 @@ def _tie_across_groups(rank: int, world_size: int, layout: str) -> None:
     tied = [p for p in root.params if p.sharded is model.tok.weight]
     assert len(tied) == 1 and {site.module for site in tied[0].sites} == {model.tok, model.head}
     assert state_of(model.tok).group is None  # its only parameter moved to the root's group
+    if layout in ("siblings", "tied_after_all"):
+        assert state_of(model.head).group is None
     # One all-gather of the root serves both users; none for tok (or head).
     rec = CommRecorder(model)
     lm_loss(model, token_batch(torch.Generator().manual_seed(5)))
@@ -103,7 +109,7 @@ def _tie_across_groups(rank: int, world_size: int, layout: str) -> None:
     assert sd["tok.weight"].placements == (Shard(0),) and torch.equal(sd["tok.weight"].to_local(), sd["head.weight"].to_local())
 
 
-@pytest.mark.parametrize("layout", ["siblings", "nested", "tied_after"])
+@pytest.mark.parametrize("layout", ["siblings", "nested", "tied_after", "tied_after_all"])
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_tie_across_groups_trains_tied(layout: str, world_size: int) -> None:
     run_ranks(world_size, _tie_across_groups, layout)
@@ -115,6 +121,14 @@ def _tie_without_common_ancestor(rank: int, world_size: int) -> None:
     fully_shard(model.head)  # and nothing enclosing both: each group would train its own copy
     tokens = token_batch(torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match=r"Parameter 'weight' is shared with 'weight', a parameter already managed by"):
+        lm_loss(model, tokens)
+    # The same tie made after both calls.
+    model = Transformer()
+    model.head.weight = nn.Parameter(model.tok.weight.detach().clone())
+    fully_shard(model.tok)
+    fully_shard(model.head)
+    model.head.weight = model.tok.weight
+    with pytest.raises(ValueError, match=r"'weight' was tied after fully_shard to 'weight', a parameter already managed"):
         lm_loss(model, tokens)
 
 

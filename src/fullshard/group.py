@@ -119,6 +119,8 @@ class ParamGroup:
         # linked, and whether the sharded parameters have left it (linked again before the next all-gather).
         self._converted: set[nn.Module] = set()
         self.stale = False
+        # Registers the state dict hooks on modules that start holding a parameter of this group (set by fully_shard).
+        self.on_new_sites: Any = None
 
         # Parameters on the meta device (deferred initialisation) get a meta flat shard
         # buffer; `FSDPModule.to_empty()` / `_apply` re-link them to real memory.
@@ -162,11 +164,15 @@ class ParamGroup:
             total += -(-n * dtype.itemsize // 16) * 16
         return offsets, total
 
-    def _new_flat_shard(self, dtype: torch.dtype, device: torch.device, make: Any, pin: bool) -> torch.Tensor:
+    def _flat_numel(self) -> int:
+        """Elements of the flat shard buffer for the current layout (bytes for a mixed-dtype group)."""
         if not self.mixed:
-            return make(self.layout.shard_numel, dtype=dtype, device=device, pin_memory=pin)
-        _, total = self._byte_layout(self.layout.shard_numels, [p.orig_dtype for p in self.params])
-        return make(total, dtype=torch.uint8, device=device, pin_memory=pin)
+            return self.layout.shard_numel
+        return self._byte_layout(self.layout.shard_numels, [p.orig_dtype for p in self.params])[1]
+
+    def _new_flat_shard(self, dtype: torch.dtype, device: torch.device, make: Any, pin: bool) -> torch.Tensor:
+        dtype = torch.uint8 if self.mixed else dtype
+        return make(self._flat_numel(), dtype=dtype, device=device, pin_memory=pin)
 
     @functools.cached_property
     def placement_key(self) -> tuple[Any, tuple[int, ...]] | None:
@@ -341,8 +347,8 @@ class ParamGroup:
             return
         self._converted.clear()
         self.stale = False
-        chunks = self.chunks(self.flat_shard)
-        if all(
+        chunks = self.chunks(self.flat_shard) if self.flat_shard.numel() == self._flat_numel() else []
+        if chunks and all(
             loc.dtype == chunk.dtype and loc.device == self.flat_shard.device
             and loc.untyped_storage().data_ptr() == self.flat_shard.untyped_storage().data_ptr()
             and loc.storage_offset() == p.local_rows(chunk).storage_offset()
@@ -391,6 +397,30 @@ class ParamGroup:
             self.relink()
         if self.post_forward is not None:
             self.set_post_forward_group(self.post_forward.group)
+
+    def add(self, joining: ShardedParam) -> None:
+        """Manage ``joining`` too (a tie made after ``fully_shard``, taken over by this enclosing group).
+
+        Only before the first forward, while SHARDED. The parameter object keeps its identity; its values
+        move into this group's new flat shard buffer.
+        """
+        if self.state is not ShardedState.SHARDED:
+            raise AssertionError(f"group {self.label!r}: adding parameters in state {self.state.name}")
+        if self.codecs is not None or self.post_forward is not None:
+            raise NotImplementedError(
+                f"parameter {joining.fqn!r} was tied after fully_shard to a module of the group of {self.label!r}, "
+                "which all-gathers through extensions, a comm_policy or several dtypes, or reshards after forward to "
+                "an int: make the tie before calling fully_shard"
+            )
+        self.params = [*self.params, joining]
+        self._register_owner()
+        self.layout = GroupLayout(tuple(p.layout for p in self.params))
+        settings = self.reducer.settings
+        self.reducer = GradReducer(self)
+        self.reducer.settings = settings
+        self.relink()
+        if self.on_new_sites is not None:
+            self.on_new_sites([site.module for site in joining.sites])
 
     @staticmethod
     def split(flat: torch.Tensor, layout: GroupLayout, unsharded: bool = False) -> list[torch.Tensor]:

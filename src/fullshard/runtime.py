@@ -55,7 +55,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from fullshard import failures
 from fullshard.collectives import CommStreams, profiled
-from fullshard.group import ParamGroup, ShardedState
+from fullshard.group import ParamGroup, ShardedState, group_of
 from fullshard.policy import MixedPrecisionPolicy
 from fullshard.reduce import PendingReduce
 
@@ -338,6 +338,7 @@ class HookState:
                     prefix = module_names.get(p.sites[0].module, "")
                     p.fqn = f"{prefix}.{p.sites[0].name}" if prefix else p.sites[0].name
         _check_no_shared_originals(states)
+        _take_over_late_ties(states, module_names)
         failures.start_heartbeat()
         for state in states:
             if state.group is not None:
@@ -532,6 +533,68 @@ def tensors_in(tree: Any) -> list[torch.Tensor]:
                 seen.add(id(leaf))
                 pending.extend(getattr(leaf, f.name) for f in dataclasses.fields(leaf))
     return found
+
+
+def _take_over_late_ties(states: list[HookState], module_names: dict[nn.Module, str]) -> None:
+    """Ties made after every ``fully_shard`` call (``model.head.weight = model.tok.weight``, one group's sharded
+    parameter assigned to a module of another): the nearest group enclosing every module that uses the
+    parameter takes it over, as ``fully_shard`` does for ties made before ([Note: Tied parameters across
+    groups] in api.py). The assigned parameter object stays the parameter; the one it replaced leaves its group.
+    """
+    for state in states:
+        group = state.group
+        for replaced in list(group.params) if group is not None else ():
+            for site in list(replaced.sites):
+                value = site.module._parameters.get(site.name)
+                owner = group_of(value) if value is not None and value is not replaced.sharded else None
+                if owner is None:
+                    continue  # not another group's sharded parameter (adopt_reassigned takes such values)
+                tied = next(p for p in owner.params if p.sharded is value)
+                users = [s.module for s in tied.sites] + [site.module]
+                enclosing = _nearest_enclosing_group(states, module_names, users)
+                if enclosing is None or enclosing.mesh_info.mesh != tied.mesh_info.mesh:
+                    raise ValueError(
+                        f"{replaced.fqn!r} was tied after fully_shard to {tied.fqn!r}, a parameter already managed by "
+                        "another FSDP group, and no fully_shard group on the same mesh encloses every module using "
+                        "it, so two copies would train: make the tie before fully_shard, or call fully_shard on a "
+                        "common ancestor of the modules"
+                    )
+                replaced.sites.remove(site)
+                tied.sites.append(site)
+                tied.register(tied.sharded)
+                if enclosing is owner:
+                    if owner.on_new_sites is not None:
+                        owner.on_new_sites([site.module])
+                else:
+                    enclosing.add(tied)
+                    owner.remove([tied])
+                if not replaced.sites:
+                    group.remove([replaced])
+    for state in states:
+        if state.group is not None and not state.group.params:
+            state.group = None
+
+
+def _nearest_enclosing_group(
+    states: list[HookState], module_names: dict[nn.Module, str], users: list[nn.Module]
+) -> ParamGroup | None:
+    """The group of the deepest state whose modules contain every module of ``users``."""
+    user_names = [module_names.get(m) for m in users]
+    if any(name is None for name in user_names):
+        return None
+    best: tuple[int, ParamGroup] | None = None
+    for state in states:
+        if state.group is None:
+            continue
+        for member in state.modules:
+            prefix = module_names.get(member)
+            if prefix is None:
+                continue
+            if all(prefix == "" or n == prefix or n.startswith(prefix + ".") for n in user_names if n is not None):
+                depth = prefix.count(".") + (prefix != "")
+                if best is None or depth > best[0]:
+                    best = (depth, state.group)
+    return best[1] if best is not None else None
 
 
 def _check_no_shared_originals(states: list[HookState]) -> None:

@@ -34,13 +34,23 @@ def register_state_dict_hooks(group: ParamGroup, members: tuple[nn.Module, ...])
 
     ``members``: the modules of the group's ``fully_shard`` call. The hooks look up the group's
     parameters when they run: a tied parameter taken over by an enclosing group later is then
-    handled by that group's hooks.
+    handled by that group's hooks. ``group.on_new_sites`` hooks the modules that start holding one
+    of its parameters later (a tie made after ``fully_shard``), each module once.
     """
-    for module in {site.module: None for p in group.params for site in p.sites} | dict.fromkeys(members):
-        entries = functools.partial(_entries, group, module)
-        module.register_state_dict_post_hook(_sharded_values(entries))
-        module.register_load_state_dict_pre_hook(_to_local_shards(group, entries))
-        module.register_load_state_dict_post_hook(_take_assigned(group, entries, members if module in members else None))
+    hooked: set[nn.Module] = set()
+
+    def hook_modules(modules: list[nn.Module]) -> None:
+        for module in modules:
+            if module in hooked:
+                continue
+            hooked.add(module)
+            entries = functools.partial(_entries, group, module)
+            module.register_state_dict_post_hook(_sharded_values(entries))
+            module.register_load_state_dict_pre_hook(_to_local_shards(group, entries))
+            module.register_load_state_dict_post_hook(_take_assigned(group, entries, members if module in members else None))
+
+    group.on_new_sites = hook_modules
+    hook_modules(list({site.module: None for p in group.params for site in p.sites} | dict.fromkeys(members)))
 
 
 def _entries(group: ParamGroup, module: nn.Module) -> list[tuple[str, ShardedParam]]:
