@@ -115,6 +115,62 @@ def test_tie_across_groups_trains_tied(layout: str, world_size: int) -> None:
     run_ranks(world_size, _tie_across_groups, layout)
 
 
+class Pair(nn.Module):
+    """Two same-shaped layers and nothing of its own: its fully_shard call forms no group until they are tied."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(5, 5, bias=False)
+        self.b = nn.Linear(5, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def _tie_after_every_call_under_a_bare_root(rank: int, world_size: int) -> None:
+    def build() -> Pair:
+        pair = Pair()
+        pair.b.weight = pair.a.weight
+        return pair
+
+    def shard(pair: Pair) -> None:
+        pair.b.weight = nn.Parameter(pair.a.weight.detach().clone())  # untied while sharding
+        fully_shard(pair.a)
+        fully_shard(pair.b)
+        fully_shard(pair)
+        tied = pair.a.weight
+        pair.b.weight = tied  # tied after every call: the root, which had no group, takes it over
+        assert state_of(pair).group is None
+
+    _, model = run_parity(rank, world_size, build, shard, lambda g: regression_batch(g, 5, 5), mse_loss)
+    assert model.a.weight is model.b.weight
+    assert state_of(model).group is not None and state_of(model.a).group is None
+
+
+def _late_tie_survives_a_load(rank: int, world_size: int) -> None:
+    """A checkpoint loaded between the tie and the first forward (a resumed job) keeps the tie."""
+    def build() -> Pair:
+        pair = Pair()
+        pair.b.weight = pair.a.weight
+        return pair
+
+    def shard(pair: Pair) -> None:
+        pair.b.weight = nn.Parameter(pair.a.weight.detach().clone())
+        fully_shard(pair.a)
+        fully_shard(pair.b)
+        fully_shard(pair)
+        pair.b.weight = pair.a.weight
+        pair.load_state_dict(pair.state_dict())  # its hooks must not take the tied parameter for b's own
+
+    _, model = run_parity(rank, world_size, build, shard, lambda g: regression_batch(g, 5, 5), mse_loss)
+    assert model.a.weight is model.b.weight
+
+
+def test_tie_after_every_call_trains_tied() -> None:
+    run_ranks(2, _tie_after_every_call_under_a_bare_root)
+    run_ranks(2, _late_tie_survives_a_load)
+
+
 def _tie_without_common_ancestor(rank: int, world_size: int) -> None:
     model = Transformer()
     fully_shard(model.tok)

@@ -410,3 +410,49 @@ def _experts_parity(rank: int, world_size: int) -> None:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_parameters_used_on_some_ranks_get_the_average(world_size: int) -> None:
     run_ranks(world_size, _experts_parity)
+
+
+class SideBlock(nn.Module):
+    """A block whose own parameters are a side layer that only some calls use; its main layer is sharded inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.main = nn.Linear(7, 8)
+        self.side = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, use_side: bool) -> torch.Tensor:
+        h = torch.relu(self.main(x))
+        return h + self.side(h) if use_side else h
+
+
+class WithSideBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = SideBlock()
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, use_side: bool) -> torch.Tensor:
+        return self.head(self.block(x, use_side))
+
+
+def _group_unused_on_some_ranks(rank: int, world_size: int) -> None:
+    def loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor, int]) -> torch.Tensor:
+        x, y, batch_rank = batch
+        return nn.functional.mse_loss(model(x, use_side=batch_rank == 0), y)
+
+    batches = [[(*regression_batch(gen), r) for r in range(world_size)]
+               for gen in [torch.Generator().manual_seed(s) for s in range(3)]]
+    torch.manual_seed(0)
+    ref = WithSideBlock()
+    torch.manual_seed(0)
+    model = WithSideBlock()
+    fully_shard(model.block.main)
+    fully_shard(model.block)  # its group is the side layer: on ranks other than 0 no parameter gets a gradient
+    fully_shard(model)
+    assert_parity(train(ref, batches, loss, rank=None), train(model, batches, loss, rank=rank), rank)
+
+
+def test_group_whose_parameters_only_some_ranks_use() -> None:
+    """A group none of whose parameters got a gradient on a rank still reduce-scatters there (zeros, flagged
+    absent) when its module ran backward: the ranks issue the same collectives and the layer gets the average."""
+    run_ranks(2, _group_unused_on_some_ranks)

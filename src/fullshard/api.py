@@ -158,25 +158,30 @@ def fully_shard(
     group = None
     for lower, taken in leaving.items():  # every check passed: only now change the groups below
         lower.remove(taken)
-    if params:
-        sharded = [ShardedParam(fqns[p], sites[p], p, layouts[p], mesh_info, tp.get(p)) for p in params]
-        group = ParamGroup(
-            sharded, params, mesh_info, device,
+
+    def make_group(sharded: list[ShardedParam], originals: list[torch.Tensor]) -> ParamGroup:
+        made = ParamGroup(
+            sharded, originals, mesh_info, device,
             mp_policy.param_dtype, reduce_dtype, streams,
             offload_to_cpu=isinstance(offload_policy, CPUOffloadPolicy),
             pin_memory=isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory,
         )
-        group.label = type(modules[0]).__name__
-        group.codecs = make_codecs(group, comm_policy, mp_policy)
+        made.label = type(modules[0]).__name__
+        made.codecs = make_codecs(made, comm_policy, mp_policy)
         if post_forward_size is not None:
-            group.set_post_forward_group(post_forward_group(mesh_info, post_forward_size))
-        register_state_dict_hooks(group, tuple(modules))
+            made.set_post_forward_group(post_forward_group(mesh_info, post_forward_size))
+        register_state_dict_hooks(made, tuple(modules))
+        return made
+
+    if params:
+        group = make_group([ShardedParam(fqns[p], sites[p], p, layouts[p], mesh_info, tp.get(p)) for p in params], params)
     for lower in leaving:
         if not lower.params:
             for state in below.values():
                 if state.group is lower:
                     state.group = None
-    HookState(tuple(modules), group, device, reshard_after_forward, mp_policy, streams)
+    state = HookState(tuple(modules), group, device, reshard_after_forward, mp_policy, streams)
+    state.make_group = make_group  # a group formed later (a tie made after fully_shard), with this call's settings
     for mod in modules:
         _become_fsdp_module(mod)
     return module

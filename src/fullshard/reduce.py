@@ -232,16 +232,21 @@ class GradReducer:
 
     # ---- issue -----------------------------------------------------------------
 
-    def reduce(self) -> PendingReduce | None:
-        """Pack every unsharded gradient present into one reduce-scatter input, drop them and issue the reduction."""
+    def reduce(self, ran_backward: bool = False) -> PendingReduce | None:
+        """Pack every unsharded gradient present into one reduce-scatter input, drop them and issue the reduction.
+
+        ``ran_backward``: the group's modules ran backward on this rank, so its peers reduce now too,
+        even if none of its parameters got a gradient here (a layer used on other ranks only): this
+        rank then sends zeros, flagged as absent.
+        """
         group, settings, streams = self.group, self.settings, self.group.streams
         taken = self._take_unsharded_grads()
         with_grad = tuple(g is not None for g in taken)
-        if not any(with_grad):
+        flagged = settings.comm_hook is None
+        if not any(with_grad) and not (ran_backward and flagged and any(p.requires_grad for p in group.params)):
             return None
         # Every trainable parameter, zeros where this rank has no gradient, and the flag columns (see the
         # Note); FSDP1 communication hooks get the gradients present only, as in FSDP1.
-        flagged = settings.comm_hook is None
         packed = tuple(g is not None or (flagged and p.requires_grad) for p, g in zip(group.params, taken))
         layout = self._layouts.get(packed)
         if layout is None:
@@ -255,7 +260,7 @@ class GradReducer:
         if group.mixed:  # one reduce dtype for all ([Note: Mixed dtypes] in group.py)
             kept = [None if g is None else g.to(group.reduce_dtype) for g in kept]
         missing = frozenset(i for i, g in enumerate(kept) if g is None)
-        dtype = next(g for g in kept if g is not None).dtype  # packed in one kernel: one dtype
+        dtype = next((g.dtype for g in kept if g is not None), group.reduce_dtype)  # packed in one kernel: one dtype
         grads = [g if g is not None else torch.zeros(p.layout.shape, dtype=dtype, device=group.device)
                  for p, g in zip(params, kept)]
         if flagged:

@@ -298,6 +298,8 @@ class HookState:
         # Module calls of this iteration whose backward has not finished: the group is reduced
         # (once) when the last one finishes, or at the end of backward.
         self.calls_awaiting_backward = 0
+        # Forms this call's group from sharded parameters when it has none yet (set by fully_shard).
+        self.make_group: Callable[[list[Any], list[torch.Tensor]], ParamGroup] | None = None
         # List groups: the modules yet to run in this forward; resharded after the last one.
         self._modules_to_run: set[nn.Module] = set()
         for module in modules:
@@ -492,9 +494,12 @@ class HookState:
         """Reshard and issue the reduction of this group's gradients.
 
         ``in_backward_pass=False`` (the end-of-backward callback) skips prefetching:
-        no group runs after it.
+        no group runs after it. When the group's modules took part in backward (here, or
+        its output gradients arrived), the reduction is issued even if no parameter of
+        the group got a gradient on this rank: its peers' did (see ``GradReducer.reduce``).
         """
         assert self.ctx is not None
+        ran_backward = in_backward_pass or self.training_state is TrainingState.PRE_BACKWARD
         self.ctx.queue_end_of_backward()
         self.calls_awaiting_backward = 0
         if self.group is None:
@@ -508,7 +513,7 @@ class HookState:
                 self._prefetch(self._backward_targets(BackwardPrefetchMode.POST), backward=True)
             reducer = self.group.reducer
             if reducer.settings.requires_gradient_sync:
-                pending = reducer.reduce()
+                pending = reducer.reduce(ran_backward=ran_backward)
                 if pending is not None:
                     self.ctx.add_reduce(pending)
             else:
@@ -551,15 +556,20 @@ def _take_over_late_ties(states: list[HookState], module_names: dict[nn.Module, 
                     continue  # not another group's sharded parameter (adopt_reassigned takes such values)
                 tied = next(p for p in owner.params if p.sharded is value)
                 users = [s.module for s in tied.sites] + [site.module]
-                enclosing = _nearest_enclosing_group(states, module_names, users)
-                if enclosing is None or enclosing.mesh_info.mesh != tied.mesh_info.mesh:
+                nearest = _nearest_enclosing_state(states, module_names, users)
+                if nearest is not None and nearest.group is None and nearest.make_group is not None:
+                    nearest.group = _new_group(nearest.make_group, tied, site)
+                    owner.remove([tied])
+                    _leave(replaced, site, group)
+                    continue
+                enclosing = nearest.group if nearest is not None else None
+                if enclosing is None or enclosing.mesh_info.mesh != tied.mesh_info.mesh or tied.tp is not None:
                     raise ValueError(
                         f"{replaced.fqn!r} was tied after fully_shard to {tied.fqn!r}, a parameter already managed by "
                         "another FSDP group, and no fully_shard group on the same mesh encloses every module using "
                         "it, so two copies would train: make the tie before fully_shard, or call fully_shard on a "
                         "common ancestor of the modules"
                     )
-                replaced.sites.remove(site)
                 tied.sites.append(site)
                 tied.register(tied.sharded)
                 if enclosing is owner:
@@ -568,24 +578,46 @@ def _take_over_late_ties(states: list[HookState], module_names: dict[nn.Module, 
                 else:
                     enclosing.add(tied)
                     owner.remove([tied])
-                if not replaced.sites:
-                    group.remove([replaced])
+                _leave(replaced, site, group)
     for state in states:
         if state.group is not None and not state.group.params:
             state.group = None
 
 
-def _nearest_enclosing_group(
+def _leave(replaced: Any, site: Any, group: ParamGroup) -> None:
+    """``replaced`` is no longer used at ``site``; it leaves ``group`` once no module uses it."""
+    if site in replaced.sites:
+        replaced.sites.remove(site)
+    if not replaced.sites:
+        group.remove([replaced])
+
+
+def _new_group(make_group: Callable[[list[Any], list[torch.Tensor]], ParamGroup], tied: Any, site: Any) -> ParamGroup:
+    """A group for a state that had none, formed around ``tied`` (which keeps its parameter object)."""
+    before = tied.sharded
+    tied.sites.append(site)
+    group = make_group([tied], [before])
+    if group.mesh_info.mesh != tied.mesh_info.mesh:
+        raise ValueError(
+            f"{tied.fqn!r} was tied after fully_shard across groups, and the fully_shard call enclosing its users "
+            "shards on another mesh: make the tie before fully_shard, or shard both on the same mesh"
+        )
+    torch.utils.swap_tensors(before, tied.sharded)  # the object optimizers hold now views the new flat shard
+    tied.sharded = before
+    group.remove([])  # registers the owner and relinks with the swapped object
+    tied.register(before)
+    return group
+
+
+def _nearest_enclosing_state(
     states: list[HookState], module_names: dict[nn.Module, str], users: list[nn.Module]
-) -> ParamGroup | None:
-    """The group of the deepest state whose modules contain every module of ``users``."""
+) -> HookState | None:
+    """The deepest state whose modules contain every module of ``users``."""
     user_names = [module_names.get(m) for m in users]
     if any(name is None for name in user_names):
         return None
-    best: tuple[int, ParamGroup] | None = None
+    best: tuple[int, HookState] | None = None
     for state in states:
-        if state.group is None:
-            continue
         for member in state.modules:
             prefix = module_names.get(member)
             if prefix is None:
@@ -593,7 +625,7 @@ def _nearest_enclosing_group(
             if all(prefix == "" or n == prefix or n.startswith(prefix + ".") for n in user_names if n is not None):
                 depth = prefix.count(".") + (prefix != "")
                 if best is None or depth > best[0]:
-                    best = (depth, state.group)
+                    best = (depth, state)
     return best[1] if best is not None else None
 
 

@@ -24,7 +24,7 @@ from torch.distributed.fsdp import OptimStateKeyType
 from torch.distributed.tensor import DTensor
 
 from fullshard.errors import expect_bool, expect_module, expect_optimizer
-from fullshard.group import ParamGroup
+from fullshard.group import ParamGroup, group_of
 from fullshard.param import ShardedParam, full_tensor
 from fullshard.runtime import states_in
 
@@ -96,8 +96,11 @@ def _take_assigned(  # type: ignore[no-untyped-def]
     def hook(module: nn.Module, incompatible_keys: Any) -> None:
         for name, p in entries():
             registered = module._parameters.get(name)
-            if registered is not None and registered is not p.sharded and registered is not p.unsharded:
-                group.take_over(p, registered)
+            if registered is None or registered is p.sharded or registered is p.unsharded:
+                continue
+            if group_of(registered) is not None:
+                continue  # another group's sharded parameter: a tie made after fully_shard, taken at lazy init
+            group.take_over(p, registered)
         if members is not None and group.stale:
             group.member_converted(module, members)
 

@@ -1,0 +1,656 @@
+"""Differential fuzzer: random but reproducible training cases, sharded against the unsharded model and FSDP2.
+
+A seed draws a :class:`Case`: a model (depth, uneven widths down to one row, a zero-element parameter,
+ties within and across groups and made after ``fully_shard``, a frozen parameter, branches taken on some
+steps or some ranks, buffers, a list group, a nested ``fully_shard``, outputs in containers), policies
+(mixed precision, CPU offload, ``reshard_after_forward`` bool or int, an HSDP mesh, ``QuantizedCommPolicy``)
+and a schedule (gradient accumulation with sync toggles, evaluation passes on all ranks or one replica,
+manual ``unshard()``, torch's or fullshard's SGD / AdamW, param groups splitting fullshard groups, an lr
+scheduler, clipping, EMA, a DCP checkpoint saved mid-run and loaded at another world size).
+
+Every case trains sharded on gloo ranks and unsharded in this process on the same batches; every step's
+losses and full gradients and the final full parameters (and EMA averages) must agree (fp32: 1e-5; bf16
+compute and quantized communication within their tolerances). Where torch's FSDP2 supports the case, it
+trains too and must agree with fullshard to 1e-6. A failing case is shrunk (each feature switched off in
+turn while it still fails) and printed with its seed::
+
+    python -m tests.fuzz --seed 1234          # replay one case (prints it)
+    python -m tests.fuzz --cases 2000         # soak: seeds 0..1999 (or --start S)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+BATCH_ROWS = 3
+
+
+@dataclass(frozen=True)
+class Case:
+    """One fuzz case; every field's first listed value is the plain (switched off) one."""
+
+    seed: int
+    world_size: int = 2
+    widths: tuple[int, ...] = (5, 7, 5)  # block i maps widths[i] -> widths[i + 1]; the ends are the model's width
+    bias: bool = True
+    norm: bool = False
+    buffers: bool = False
+    zero_numel: bool = False  # a zero-element parameter in block 0
+    frozen: bool = False  # block 0's bias (or weight) does not train
+    tie: str = "none"  # none | within (pre/post tied, both in the root group) | across (separate groups) | after
+    branch: str = "none"  # none | steps (the last block skipped on odd steps) | ranks (an extra layer in block 0
+    # used on rank 0 only) | param_steps (that extra layer used on even steps only: its parameters miss steps)
+    list_group: bool = False  # blocks 0 and 1 as one group
+    nested: bool = False  # block 0's linear sharded on its own inside block 0's group
+    container: bool = False  # blocks return (tensor, {"aux": tensor})
+    mp: str = "none"  # none | bf16 | bf16_fp32_reduce
+    offload: bool = False
+    reshard: str = "true"  # true | false | int (2 of 4 ranks) | root_false
+    hsdp: bool = False  # a (2, 2) mesh at 4 ranks
+    quantized: bool = False
+    accumulation: int = 1  # micro-batches per step
+    sync_each: bool = False  # with accumulation: also reduce on every micro-batch (no set_requires_gradient_sync)
+    eval_pass: str = "none"  # none | all | replica (one HSDP replica / rank 0 evaluates)
+    manual_unshard: bool = False
+    optim: str = "sgd"  # sgd | adamw | fs_adamw | fs_sgd
+    split_groups: bool = False
+    scheduler: bool = False
+    clip: str = "none"  # none | torch | fullshard
+    ema: bool = False
+    steps: int = 3
+    resume_ws: int = 0  # save after step 1 and continue at this world size (0: no checkpoint)
+
+    def describe(self) -> str:
+        plain = Case(self.seed)
+        diff = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
+                if f.name != "seed" and getattr(self, f.name) != getattr(plain, f.name)]
+        return f"Case(seed={self.seed}" + "".join(", " + d for d in diff) + ")"
+
+    @property
+    def valid(self) -> bool:
+        """A case every rank can run: one replica evaluating alone needs an HSDP mesh (else it would
+        all-gather alone), HSDP and an int reshard need 4 ranks."""
+        return ((self.eval_pass != "replica" or self.hsdp) and (not self.hsdp or self.world_size == 4)
+                and (self.reshard != "int" or self.world_size == 4))
+
+    @property
+    def fsdp2_supported(self) -> bool:
+        """Whether torch's FSDP2 trains this case (it rejects ties across groups, zero-element parameters,
+        parameters used on some ranks only, fullshard's own optimizers, EMA and quantized communication)."""
+        return (self.tie in ("none", "within") and not self.zero_numel and self.branch != "ranks"
+                and self.optim in ("sgd", "adamw") and self.clip != "fullshard" and not self.quantized
+                and not self.ema and self.resume_ws == 0)
+
+    @property
+    def fsdp2_tolerance(self) -> dict[str, float]:
+        """bf16 reductions may round one unit differently (fullshard's reduce-scatter input has flag columns,
+        so gloo's ring splits it elsewhere): within bf16's epsilon; fp32 reductions to 1e-6."""
+        if self.mp == "bf16":
+            return {"rtol": 8e-3, "atol": 1e-4}
+        return {"rtol": 1e-6, "atol": 1e-6}
+
+    @property
+    def tolerance(self) -> dict[str, float]:
+        if self.quantized:
+            return {"rtol": 5e-2, "atol": 5e-2}
+        if self.mp != "none":  # bf16 compute, emulated by the reference up to the order of roundings
+            return {"rtol": 5e-2, "atol": 1e-2}
+        return {"rtol": 2e-4, "atol": 2e-5}  # norms over a few elements amplify rounding
+
+
+def draw(seed: int) -> Case:
+    """A random case from ``seed`` (the same case on every machine)."""
+    rng = random.Random(seed)
+    ws = rng.choice([2, 2, 2, 4])
+    d = rng.randint(1, 6)
+    widths = tuple([d] + [rng.randint(1, 9) for _ in range(rng.randint(1, 3))] + [d])
+    kw: dict[str, Any] = {
+        "world_size": ws, "widths": widths, "bias": rng.random() < 0.7, "norm": rng.random() < 0.3,
+        "buffers": rng.random() < 0.3, "zero_numel": rng.random() < 0.1, "frozen": rng.random() < 0.2,
+        "tie": rng.choice(["none", "none", "within", "across", "after"]),
+        "branch": rng.choice(["none", "none", "steps", "ranks", "param_steps"]),
+        "list_group": len(widths) >= 4 and rng.random() < 0.3, "nested": rng.random() < 0.15,
+        "container": rng.random() < 0.25, "mp": rng.choice(["none", "none", "none", "bf16", "bf16_fp32_reduce"]),
+        "offload": rng.random() < 0.2, "reshard": rng.choice(["true", "true", "false", "root_false"]),
+        "accumulation": rng.choice([1, 1, 2, 3]), "eval_pass": rng.choice(["none", "none", "all", "replica"]),
+        "manual_unshard": rng.random() < 0.2, "optim": rng.choice(["sgd", "adamw", "fs_adamw", "fs_sgd"]),
+        "split_groups": rng.random() < 0.3, "scheduler": rng.random() < 0.3,
+        "clip": rng.choice(["none", "none", "torch", "fullshard"]), "ema": rng.random() < 0.2,
+        "steps": rng.randint(2, 4), "quantized": rng.random() < 0.08,
+    }
+    kw["sync_each"] = kw["accumulation"] > 1 and rng.random() < 0.3
+    if ws == 4:
+        kw["hsdp"] = rng.random() < 0.4
+        if not kw["hsdp"] and rng.random() < 0.3:
+            kw["reshard"] = "int"
+    if kw["eval_pass"] == "replica" and not kw.get("hsdp"):
+        kw["eval_pass"] = "all"  # one rank alone cannot all-gather over all of them
+    if kw["quantized"]:
+        kw["mp"] = "none"
+    if rng.random() < 0.4:  # a case torch's FSDP2 runs too, so the two are compared
+        kw.update(tie=rng.choice(["none", "within"]), zero_numel=False, quantized=False, ema=False,
+                  branch=rng.choice(["none", "steps", "param_steps"]), optim=rng.choice(["sgd", "adamw"]),
+                  clip=rng.choice(["none", "torch"]))
+        return Case(seed, **kw)
+    if rng.random() < 0.12:
+        kw["resume_ws"] = rng.choice([w for w in (1, 2, 4) if w != ws])
+        kw["hsdp"], kw["reshard"] = False, "true" if kw["reshard"] == "int" else kw["reshard"]
+        kw["optim"] = rng.choice(["sgd", "adamw"])
+        kw["steps"] = max(kw["steps"], 3)
+        kw["eval_pass"] = "all" if kw["eval_pass"] == "replica" else kw["eval_pass"]
+        kw["scheduler"] = kw["ema"] = False  # their state is not part of the checkpoint
+    return Case(seed, **kw)
+
+
+# ---- the model -------------------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    def __init__(self, case: Case, index: int, d_in: int, d_out: int) -> None:
+        super().__init__()
+        self.case, self.index = case, index
+        self.lin = nn.Linear(d_in, d_out, bias=case.bias)
+        self.norm = nn.LayerNorm(d_out) if case.norm else None
+        if case.buffers:
+            self.register_buffer("scale", torch.linspace(0.5, 1.5, d_out))
+        if case.zero_numel and index == 0:
+            self.empty = nn.Parameter(torch.zeros(0, 3))
+        if case.branch in ("ranks", "param_steps") and index == 0:
+            self.extra = nn.Linear(d_out, d_out)
+        self.active_rank = 0  # set before each forward (the reference runs every rank's batch)
+        self.step = 0
+
+    def forward(self, x: torch.Tensor) -> Any:
+        h = self.lin(x)
+        if self.norm is not None:
+            h = self.norm(h)
+        if hasattr(self, "empty"):
+            h = h + self.empty.sum()
+        if hasattr(self, "extra") and (self.active_rank == 0 if self.case.branch == "ranks" else self.step % 2 == 0):
+            h = h + self.extra(h)
+        h = torch.tanh(h)
+        if self.case.buffers:
+            h = h * self.scale.to(h.dtype)  # buffers keep their dtype under mixed precision
+        return (h, {"aux": h.mean()}) if self.case.container else h
+
+
+class Net(nn.Module):
+    def __init__(self, case: Case) -> None:
+        super().__init__()
+        self.case = case
+        d = case.widths[0]
+        self.pre = nn.Linear(d, d, bias=False)
+        self.blocks = nn.ModuleList(Block(case, i, a, b) for i, (a, b) in enumerate(zip(case.widths, case.widths[1:])))
+        self.post = nn.Linear(d, d, bias=False)
+        if case.tie != "none":  # ("after": untied while sharding, see shard())
+            self.post.weight = self.pre.weight
+        if case.frozen:
+            first = self.blocks[0].lin
+            (first.bias if first.bias is not None else first.weight).requires_grad_(False)
+        self.step = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.pre(x)
+        aux = h.new_zeros(())
+        for i, block in enumerate(self.blocks):
+            if self.case.branch == "steps" and i == len(self.blocks) - 1 and i > 0 and self.step % 2:
+                continue
+            h = block(h)
+            if self.case.container:
+                h, extra = h
+                aux = aux + extra["aux"]
+        if h.shape[-1] != self.case.widths[-1]:  # the last block was skipped: pad or crop to the model's width
+            h = F.pad(h, (0, self.case.widths[-1] - h.shape[-1]))
+        return self.post(h) + 0.1 * aux
+
+    def set_rank(self, rank: int) -> None:
+        for block in self.blocks:
+            block.active_rank, block.step = rank, self.step
+
+
+def build(case: Case) -> Net:
+    torch.manual_seed(case.seed)
+    model = Net(case)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.uniform_(-0.6, 0.6)
+    return model
+
+
+def batches(case: Case, world_sizes: list[int]) -> list[list[list[tuple[torch.Tensor, torch.Tensor]]]]:
+    """``batches[step][micro][rank]`` (each step has its own world size: a resumed run changes it)."""
+    gen = torch.Generator().manual_seed(case.seed + 1)
+    d = case.widths[0]
+    return [[[(torch.randn(BATCH_ROWS, d, generator=gen), torch.randn(BATCH_ROWS, d, generator=gen))
+              for _ in range(ws)] for _ in range(case.accumulation)] for ws in world_sizes]
+
+
+def world_sizes(case: Case) -> list[int]:
+    return [case.world_size if step < 1 or not case.resume_ws else case.resume_ws for step in range(case.steps)]
+
+
+def loss_of(model: Net, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return F.mse_loss(model(x).float(), y)
+
+
+def make_optim(case: Case, model: nn.Module, reference: bool) -> torch.optim.Optimizer:
+    import fullshard.optim
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    if case.split_groups:  # every other parameter: splits the fullshard groups
+        groups: Any = [{"params": params[0::2]}, {"params": params[1::2], "lr": 0.02, "weight_decay": 0.1}]
+        groups = [g for g in groups if g["params"]]
+    else:
+        groups = params
+    kind = case.optim.removeprefix("fs_") if reference else case.optim
+    if kind == "sgd":
+        return torch.optim.SGD(groups, lr=0.05, momentum=0.9)
+    if kind == "adamw":
+        return torch.optim.AdamW(groups, lr=0.01, eps=1e-3)
+    if kind == "fs_sgd":
+        return fullshard.optim.SGD(groups, lr=0.05, momentum=0.9)
+    return fullshard.optim.AdamW(groups, lr=0.01, eps=1e-3, foreach=True)  # the flat path
+
+
+# ---- sharding ---------------------------------------------------------------------------------------
+
+
+def shard(case: Case, model: Net, impl: str) -> None:
+    """Shard ``model`` as the case says, with fullshard (``impl="fullshard"``) or torch's FSDP2."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if impl == "fullshard":
+        from fullshard import CPUOffloadPolicy, MixedPrecisionPolicy, QuantizedCommPolicy, fully_shard
+    else:
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard  # type: ignore[assignment]
+    ws = dist.get_world_size()
+    kw: dict[str, Any] = {}
+    if case.hsdp and ws == 4:
+        kw["mesh"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    if case.mp == "bf16":
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    elif case.mp == "bf16_fp32_reduce":
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if case.offload:
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
+    if case.quantized:
+        kw["comm_policy"] = QuantizedCommPolicy()
+    inner = dict(kw)
+    if case.reshard == "false":
+        inner["reshard_after_forward"] = False
+    elif case.reshard == "int" and ws == 4:
+        inner["reshard_after_forward"] = 2
+    if case.tie == "after":  # untied while sharding, tied after every call
+        model.post.weight = nn.Parameter(model.pre.weight.detach().clone())
+    if case.tie in ("across", "after"):
+        fully_shard(model.pre, **inner)
+        fully_shard(model.post, **inner)
+    blocks = list(model.blocks)
+    if case.nested:
+        fully_shard(blocks[0].lin, **inner)
+    if case.list_group and len(blocks) >= 2:
+        fully_shard(blocks[:2], **inner)
+        blocks = blocks[2:]
+    for block in blocks:
+        fully_shard(block, **inner)
+    root = dict(kw)
+    if case.reshard == "root_false":
+        root["reshard_after_forward"] = False
+    elif case.reshard in ("true", "int"):
+        root["reshard_after_forward"] = True
+    fully_shard(model, **root)
+    if case.tie == "after":
+        model.post.weight = model.pre.weight
+
+
+# ---- one training run ---------------------------------------------------------------------------------
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    from fullshard.param import full_tensor
+    from torch.distributed.tensor import DTensor
+
+    return (full_tensor(t) if isinstance(t, DTensor) else t).detach().float().cpu().clone()
+
+
+@dataclass
+class Record:
+    losses: list[list[float]] = dataclasses.field(default_factory=list)  # [step][micro]: this rank's (sharded) or every rank's mean
+    grads: list[dict[str, torch.Tensor]] = dataclasses.field(default_factory=list)
+    params: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    ema: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+
+def run_steps(case: Case, model: Net, opt: torch.optim.Optimizer, sched: Any, ema: Any, data: Any, steps: range,
+              rank: int | None, record: Record, impl: str) -> None:
+    """Train ``steps``; ``rank=None`` is the unsharded reference (every rank's batch, mean of losses)."""
+    from fullshard import clip_grad_norm_
+
+    for step in steps:
+        model.step = step
+        ws = len(data[step][0])
+        if case.eval_pass != "none" and (case.eval_pass == "all" or rank in (None, 0) or (case.hsdp and rank == 1)):
+            with torch.no_grad():
+                model.set_rank(0 if rank is None else rank)
+                model(data[step][0][0][0])
+        step_losses = []
+        for micro, per_rank in enumerate(data[step]):
+            last = micro == len(data[step]) - 1
+            if rank is None and case.mp != "none":
+                step_losses.append(reference_bf16_backward(case, model, per_rank))
+                continue
+            if rank is None:
+                losses = []
+                for r, batch in enumerate(per_rank):
+                    model.set_rank(r)
+                    losses.append(loss_of(model, batch))
+                loss = sum(losses) / ws
+                step_losses.append([float(x.detach()) for x in losses])
+            else:
+                if not case.sync_each and case.accumulation > 1:
+                    model.set_requires_gradient_sync(last)
+                if case.manual_unshard:
+                    model.unshard()
+                model.set_rank(rank)
+                loss = loss_of(model, per_rank[rank])
+                step_losses.append([float(loss.detach())])
+            loss.backward()
+        record.losses.append([x for micro in step_losses for x in micro])
+        record.grads.append({n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None})
+        if case.clip == "torch" or (case.clip == "fullshard" and rank is None):
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 0.5)
+        elif case.clip == "fullshard":
+            clip_grad_norm_(model, 0.5)
+        opt.step()
+        opt.zero_grad()
+        if sched is not None:
+            sched.step()
+        if ema is not None:
+            ema.update()
+
+
+def reference_bf16_backward(case: Case, model: Net, per_rank: list[Any]) -> list[float]:
+    """Mixed precision on the unsharded model: each rank's loss on a bf16 copy of the parameters, its bf16
+    gradients reduced in the policy's reduce dtype (mean over ranks) and added to the fp32 gradients."""
+    import copy
+
+    reduce_dtype = torch.bfloat16 if case.mp == "bf16" else torch.float32
+    losses, per_rank_grads = [], []
+    for r, (x, y) in enumerate(per_rank):
+        work = copy.deepcopy(model).to(torch.bfloat16)
+        work.set_rank(r)
+        loss = loss_of(work, (x.to(torch.bfloat16), y))
+        loss.backward()
+        losses.append(float(loss.detach()))
+        per_rank_grads.append({n: p.grad for n, p in work.named_parameters() if p.grad is not None})
+    for name, p in model.named_parameters():
+        grads = [g[name].to(reduce_dtype) for g in per_rank_grads if name in g]
+        if not grads:
+            continue
+        total = grads[0]
+        for g in grads[1:]:
+            total = total + g
+        mean = (total / len(per_rank)).float()
+        p.grad = mean if p.grad is None else p.grad + mean
+    return losses
+
+
+class RefEMA:
+    def __init__(self, model: nn.Module, decay: float) -> None:
+        self.model, self.decay = model, decay
+        self.avg = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    def update(self) -> None:
+        for n, p in self.model.named_parameters():
+            if n in self.avg:
+                self.avg[n].lerp_(p.detach(), 1 - self.decay)
+
+
+def reference(case: Case) -> Record:
+    model = build(case)
+    record = Record()
+    opt = make_optim(case, model, reference=True)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.7) if case.scheduler else None
+    ema = RefEMA(model, 0.8) if case.ema else None
+    run_steps(case, model, opt, sched, ema, batches(case, world_sizes(case)), range(case.steps), None, record, "reference")
+    record.params = {n: full(p) for n, p in model.named_parameters()}
+    if ema is not None:
+        record.ema = {n: v.clone() for n, v in ema.avg.items()}
+    return record
+
+
+def sharded(case: Case, rank: int, impl: str, phase: int, ckpt: str) -> Record:
+    """Phase 0: the whole run (or its first step, saving a checkpoint); phase 1: load and continue."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    import fullshard
+
+    model = build(case)
+    shard(case, model, impl)
+    opt = make_optim(case, model, reference=False)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.7) if case.scheduler else None
+    ema = fullshard.EMA(model, 0.8) if case.ema else None
+    record = Record()
+    data = batches(case, world_sizes(case))
+    steps = range(case.steps)
+    if case.resume_ws and phase == 0:
+        steps = range(1)
+    elif case.resume_ws:
+        msd, osd = get_state_dict(model, opt)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=ckpt)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        steps = range(1, case.steps)
+    run_steps(case, model, opt, sched, ema, data, steps, rank, record, impl)
+    if case.resume_ws and phase == 0:
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt)
+    record.params = {n: full(p) for n, p in model.named_parameters()}
+    if ema is not None:
+        record.ema = {n: full(v) for n, v in ema.full_state_dict(rank0_only=False).items()}
+    return record
+
+
+def run_batch(rank: int, world_size: int, jobs: list[tuple[Case, str, int, str]]) -> list[Any]:
+    """Run ``jobs`` (case, impl, phase, checkpoint dir) in turn on these ranks; stop at the first error."""
+    import fullshard
+
+    fullshard.set_collective_timeout(20.0)
+    _set_short_timeout()
+    out: list[Any] = []
+    for case, impl, phase, ckpt in jobs:
+        try:
+            out.append(sharded(case, rank, impl, phase, ckpt))
+        except Exception:
+            out.append(traceback.format_exc())
+            break
+        dist.barrier()
+    return out
+
+
+# ---- comparison ---------------------------------------------------------------------------------------
+
+
+def compare(ref: Record, rec: Record, steps: list[int], expected_losses: Any, what: str, tol: dict[str, float],
+            final: bool) -> str | None:
+    """The first difference between one rank's record and the reference (``None``: none)."""
+    for i, step in enumerate(steps):
+        losses, expected = rec.losses[i], expected_losses(step)
+        if not torch.allclose(torch.tensor(losses), torch.tensor(expected), **tol):
+            return f"{what}: step {step} losses {losses} vs {expected}"
+        grads = ref.grads[step]
+        if set(grads) != set(rec.grads[i]):
+            return f"{what}: step {step} gradients of {sorted(set(grads) ^ set(rec.grads[i]))} missing on one side"
+        for name, g in grads.items():
+            if not torch.allclose(rec.grads[i][name], g, **tol):
+                return f"{what}: step {step} gradient {name} differs by {(rec.grads[i][name] - g).abs().max().item():.3g}"
+    if final:
+        for kind, ref_values, values in (("parameter", ref.params, rec.params), ("EMA", ref.ema, rec.ema)):
+            for name, value in ref_values.items():
+                if name not in values:
+                    return f"{what}: final {kind} {name} missing"
+                if not torch.allclose(values[name], value, **tol):
+                    return f"{what}: final {kind} {name} differs by {(values[name] - value).abs().max().item():.3g}"
+    return None
+
+
+Key = tuple[int, str, int]  # (seed, implementation, phase)
+
+
+def _set_short_timeout() -> None:
+    """Mismatched collectives after a failure end in seconds, not gloo's default half hour."""
+    import datetime
+
+    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if set_timeout is not None:
+        set_timeout(datetime.timedelta(seconds=30))
+
+
+def run_jobs(ws: int, jobs: list[tuple[Case, str, int, str]], records: dict[Key, list[Any]]) -> None:
+    """Run ``jobs`` on ``ws`` ranks, a batch per launch; a job that failed is recorded, the rest rerun."""
+    from tests.harness import RankFailure, run_ranks
+
+    pending = list(jobs)
+    while pending:
+        try:
+            per_rank = run_ranks(ws, run_batch, pending, timeout=60.0 + 30.0 * len(pending))
+        except RankFailure as err:  # a crash or a hang: find the job by running each alone
+            if len(pending) == 1:
+                case, impl, phase, _ = pending[0]
+                records[(case.seed, impl, phase)] = [str(err)]
+            else:
+                for job in pending:
+                    run_jobs(ws, [job], records)
+            return
+        ran = max(len(r) for r in per_rank)
+        for j in range(ran):
+            case, impl, phase, _ = pending[j]
+            records[(case.seed, impl, phase)] = [r[j] if j < len(r) else "(stopped by another rank)" for r in per_rank]
+        pending = pending[ran:]
+
+
+def run_cases(cases: list[Case]) -> dict[int, str | None]:
+    """Run ``cases`` (batched by world size on shared ranks); what failed first in each, by seed."""
+    tmp = tempfile.mkdtemp(prefix="fullshard-fuzz-")
+    try:
+        records: dict[Key, list[Any]] = {}
+        for phase in (0, 1):
+            by_ws: dict[int, list[tuple[Case, str, int, str]]] = {}
+            for case in cases:
+                ckpt = os.path.join(tmp, f"ckpt-{case.seed}")
+                if phase == 0:
+                    by_ws.setdefault(case.world_size, []).append((case, "fullshard", 0, ckpt))
+                    if case.fsdp2_supported:
+                        by_ws[case.world_size].append((case, "fsdp2", 0, ckpt))
+                elif case.resume_ws and all(isinstance(r, Record) for r in records[(case.seed, "fullshard", 0)]):
+                    by_ws.setdefault(case.resume_ws, []).append((case, "fullshard", 1, ckpt))
+            for ws, jobs in sorted(by_ws.items()):
+                run_jobs(ws, jobs, records)
+        return {case.seed: judge(case, records) for case in cases}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def judge(case: Case, records: dict[Key, list[Any]]) -> str | None:
+    """Compare the sharded runs of ``case`` with the reference, and fullshard with FSDP2."""
+    try:
+        ref = reference(case)
+    except Exception:
+        return "the reference raised:\n" + traceback.format_exc()
+    ours = records.get((case.seed, "fullshard", 0), ["(not run)"])
+    theirs = records.get((case.seed, "fsdp2", 0))
+    if case.fsdp2_supported and theirs is not None and all(isinstance(r, Record) for r in ours + theirs):
+        for rank, (mine, other) in enumerate(zip(ours, theirs)):
+            failure = compare(other, mine, list(range(case.steps)), lambda step, o=other: o.losses[step],
+                              f"against torch's FSDP2, rank {rank}", case.fsdp2_tolerance, final=True)
+            if failure is not None:
+                return failure
+    sizes = world_sizes(case)
+    runs = [("fullshard", 0, "fullshard", list(range(1 if case.resume_ws else case.steps)))]
+    if case.resume_ws:
+        runs.append(("fullshard", 1, "fullshard resumed", list(range(1, case.steps))))
+    for impl, phase, what, steps in runs:
+        got = records.get((case.seed, impl, phase), ["(not run)"])
+        errors = [r for r in got if not isinstance(r, Record)]
+        if errors:
+            return f"{what} raised:\n{errors[0]}"
+        for rank, rec in enumerate(got):
+            def expected(step: int, rank: int = rank) -> list[float]:
+                micro = len(ref.losses[step]) // sizes[step]
+                return [ref.losses[step][m * sizes[step] + rank] for m in range(micro)]
+
+            failure = compare(ref, rec, steps, expected, f"{what} rank {rank}", case.tolerance,
+                              final=phase == 1 or not case.resume_ws)
+            if failure is not None:
+                return failure
+    return None
+
+
+def check(case: Case) -> str | None:
+    """Run one case in full: ``None`` when it passes, else what failed."""
+    return run_cases([case])[case.seed]
+
+
+def shrink(case: Case, failure: str) -> tuple[Case, str]:
+    """Switch features off one at a time while the case still fails."""
+    plain = Case(case.seed)
+    current, message = case, failure
+    for field in dataclasses.fields(Case):
+        if field.name in ("seed", "world_size", "widths") or getattr(current, field.name) == getattr(plain, field.name):
+            continue
+        candidate = dataclasses.replace(current, **{field.name: getattr(plain, field.name)})
+        if not candidate.valid:
+            continue
+        result = check(candidate)
+        if result is not None:
+            current, message = candidate, result
+    return current, message
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.fuzz", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seed", type=int, help="replay this one case")
+    parser.add_argument("--cases", type=int, default=100, help="how many cases (seeds start, start+1, ...)")
+    parser.add_argument("--start", type=int, default=0)
+    parser.add_argument("--batch", type=int, default=40, help="cases per launch of the ranks")
+    parser.add_argument("--no-shrink", action="store_true")
+    args = parser.parse_args(argv)
+    seeds = [args.seed] if args.seed is not None else list(range(args.start, args.start + args.cases))
+    failures = 0
+    t0 = time.monotonic()
+    for i in range(0, len(seeds), args.batch):
+        cases = [draw(s) for s in seeds[i : i + args.batch]]
+        for seed, failure in run_cases(cases).items():
+            if failure is None:
+                if args.seed is not None:
+                    print(f"pass: {draw(seed).describe()}")
+                continue
+            failures += 1
+            case = draw(seed)
+            if not args.no_shrink:
+                case, failure = shrink(case, failure)
+            print(f"FAIL seed {seed}: {case.describe()}\n  {failure.strip()[-3000:]}", flush=True)
+        print(f"{min(i + args.batch, len(seeds))}/{len(seeds)} cases, {failures} failed, "
+              f"{time.monotonic() - t0:.0f}s", flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
