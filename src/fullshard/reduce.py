@@ -116,6 +116,11 @@ class PendingReduce:
     hooks_due: list[ShardedParam] = field(default_factory=list)  # post-accumulate hooks to fire at finish
     missing: frozenset[int] = frozenset()  # positions in `params` that this rank packed as zeros
 
+    def reduce_scatter_done(self) -> bool:
+        """Whether the host may take the reduce-scatter as finished without waiting (CPU collectives only)."""
+        work = self.reduce_scatter.work
+        return not self.reducer.group.streams.on_accelerator and (work is None or work.is_completed())
+
     def release_input(self) -> None:
         """Let the reduce-scatter input go: the compute stream waits for the reduce-scatter (CPU: advance past it)."""
         streams = self.reducer.group.streams

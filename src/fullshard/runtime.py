@@ -30,7 +30,10 @@ order backward reaches them (the root finishes forward last, so its
 pre-backward prefetches the last block). When control flow changes the order,
 the next forward plans anew; a group prefetched for a module that then did not
 run is resharded at the root's post-forward, so a stale prefetch holds no
-memory into backward. Lookups are dictionaries: no per-call search.
+memory into backward. Lookups are dictionaries: no per-call search. A group's
+own all-gather is waited for and copied out before the next group's is issued,
+so only one all-gather output (the prefetch in flight) is ever live beside the
+unsharded groups.
 
 [Note: Recovery]
 If a forward or backward raises, some groups may be left unsharded with
@@ -176,13 +179,21 @@ class IterationContext:
             self.end_of_backward_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.end_of_backward)
 
+    def release_finished_inputs(self) -> None:
+        """Drop the reduce-scatter inputs whose collective has already finished (host collectives), so a
+        group's backward does not run beside the previous group's input."""
+        while self.inputs_in_flight and self.inputs_in_flight[0].reduce_scatter_done():
+            self.inputs_in_flight.popleft().release_input()
+
+    def make_room_for_reduce(self, limit: int) -> None:
+        """Bound the reduce-scatter inputs alive: before the next input is allocated, the oldest ones go
+        (once their reduce-scatter is done), so at most ``limit`` exist at any time."""
+        while self.inputs_in_flight and len(self.inputs_in_flight) >= limit:
+            self.inputs_in_flight.popleft().release_input()
+
     def add_reduce(self, pending: PendingReduce) -> None:
         self.pending_reduces.append(pending)
         self.inputs_in_flight.append(pending)
-        # Bound the reduce-scatter inputs alive: the oldest's input goes once its reduce-scatter is done.
-        limit = pending.reducer.settings.max_inputs_in_flight
-        while len(self.inputs_in_flight) > limit:
-            self.inputs_in_flight.popleft().release_input()
 
     def end_of_backward(self) -> None:
         with profiled("end_of_backward"):
@@ -383,10 +394,11 @@ class HookState:
         ctx.record_pre_forward(self)
         if self.group is not None:
             with profiled("pre_forward", self.label):
-                self.group.unshard(async_op=True)
+                # Copy this group's all-gather out (freeing its output) before the next one allocates:
+                # at most one all-gather output is live beside the unsharded groups ([Note: Prefetch]).
+                self.group.unshard()
                 targets = self.forward_prefetch
                 self._prefetch(ctx.forward_next.get(self, ()) if targets is None else targets, backward=False)
-                self.group.wait_for_unshard()
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
             args, kwargs = _cast_floats((args, kwargs), self.mp_policy.param_dtype)
         if torch.is_grad_enabled():
@@ -471,9 +483,9 @@ class HookState:
         if self.group is None or not self.unshard_in_backward:
             return
         with profiled("pre_backward", self.label):
-            self.group.unshard(async_op=True)
+            self.ctx.release_finished_inputs()
+            self.group.unshard()
             self._prefetch(self._backward_targets(BackwardPrefetchMode.PRE), backward=True)
-            self.group.wait_for_unshard()
 
     def _backward_targets(self, mode: BackwardPrefetchMode) -> list[HookState]:
         """The groups to all-gather at this point (``mode``) of this group's backward."""
@@ -513,6 +525,7 @@ class HookState:
                 self._prefetch(self._backward_targets(BackwardPrefetchMode.POST), backward=True)
             reducer = self.group.reducer
             if reducer.settings.requires_gradient_sync:
+                self.ctx.make_room_for_reduce(reducer.settings.max_inputs_in_flight)
                 pending = reducer.reduce(ran_backward=ran_backward)
                 if pending is not None:
                     self.ctx.add_reduce(pending)
