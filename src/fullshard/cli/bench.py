@@ -8,6 +8,15 @@ implementation: median step time and its ratio to fullshard's, training state
 only), and bytes each rank sends per step. Bytes are counted from the
 collectives' sizes with ring-algorithm costs: an all-gather or reduce-scatter
 of N bytes moves N(W-1)/W per rank, an all-reduce twice that.
+
+``--simulate-ranks N`` runs one rank of an N-rank job in this process instead,
+torch's fake process group standing in for the other ranks: its collectives
+send nothing (every rank is taken to hold this rank's data), so the times leave
+the wire out while the shards, buffers and copies are those of a rank at world
+size N. The fake group ignores the ``AVG`` FSDP2 asks of it, so FSDP2's gradients
+come out N times fullshard's and its losses differ a little (AdamW is nearly
+scale-invariant). ``benchmarks/simulate_ranks.py`` does the same with mixed
+precision, larger models and a profile of where the time goes.
 """
 
 from __future__ import annotations
@@ -162,8 +171,9 @@ def report(runs: dict[str, dict[str, Any]], cfg: GPTConfig, world_size: int, dev
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, default=2, help="local ranks to start when not under torchrun (default: 2)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: run under torchrun, one rank per GPU")
-    p.add_argument("--implementations", nargs="+", choices=IMPLEMENTATIONS, default=list(IMPLEMENTATIONS),
-                   help="what to compare; ratios are against the first (default: all three)")
+    p.add_argument("--implementations", nargs="+", choices=IMPLEMENTATIONS,
+                   help="what to compare; ratios are against the first (default: all three; fullshard and "
+                        "torch-fsdp2 with --simulate-ranks)")
     p.add_argument("--steps", type=int, default=20, help="timed steps per implementation (default: 20)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per implementation first (default: 3)")
     p.add_argument("--layers", type=int, default=12, help="transformer blocks (default: 12)")
@@ -171,6 +181,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", type=int, default=4, help="attention heads (default: 4)")
     p.add_argument("--seq-len", type=int, default=128, help="sequence length (default: 128)")
     p.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step (default: 4)")
+    p.add_argument("--simulate-ranks", type=int, metavar="N",
+                   help="one rank of an N-rank job in this process, torch's fake process group standing in for the "
+                        "others (no bytes move; --nproc is ignored)")
 
 
 def add_command(commands: Any) -> None:
@@ -181,5 +194,26 @@ def add_command(commands: Any) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.implementations is None:
+        args.implementations = list(IMPLEMENTATIONS[:2] if args.simulate_ranks is not None else IMPLEMENTATIONS)
+    if args.simulate_ranks is not None:
+        simulate(args)
+        return 0
     launch.run(worker, args.nproc, args, device_type=args.device)
     return 0
+
+
+def simulate(args: argparse.Namespace) -> None:
+    """``worker`` as rank 0 of ``args.simulate_ranks`` ranks, in this process, over torch's fake process group."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if args.simulate_ranks < 2:
+        raise ValueError(f"--simulate-ranks must be at least 2, got {args.simulate_ranks}")
+    if "ddp" in args.implementations:
+        raise ValueError("--simulate-ranks does not run ddp: DDP's all-reduce hook reads a result the fake process "
+                         "group does not produce; compare fullshard and torch-fsdp2")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.simulate_ranks)
+    try:
+        worker(0, args.simulate_ranks, args)
+    finally:
+        dist.destroy_process_group()
