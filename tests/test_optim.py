@@ -12,13 +12,14 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 import fullshard
 from fullshard import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from tests.harness import run_ranks
-from tests.models import Transformer, lm_loss
-from tests.parity import assert_parity, full, random_batches, token_batch, train
+from tests.models import Transformer, lm_loss, mse_loss
+from tests.parity import assert_parity, full, random_batches, regression_batch, token_batch, train
 
 CONFIGS: dict[str, tuple[type, type, dict[str, Any]]] = {
     "adamw": (torch.optim.AdamW, fullshard.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
@@ -229,3 +230,105 @@ def test_dcp_checkpoint_from_flat_state_loads_into_torch_adamw_at_another_world_
     assert saved.keys() == loaded.keys()
     for key, value in saved.items():
         torch.testing.assert_close(loaded[key], value, rtol=0, atol=0, msg=key)
+
+
+class Gated(nn.Module):
+    """Two hidden layers and a head in one group; the layers listed in ``skip`` sit out the forward (no gradient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(7, 7) for _ in range(2))
+        self.head = nn.Linear(7, 3)
+        self.skip: frozenset[int] = frozenset()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            if i not in self.skip:
+                x = torch.relu(layer(x))
+        return self.head(x)
+
+
+# Which layers sit out each step: afterwards the steps are layer 0: 2, layer 1: 2, head: 3, so the flat buffer
+# holds two step counts (one parameter skipped in the middle, one at the front of the group).
+SKIPS = [frozenset(), frozenset({1}), frozenset({0})]
+
+
+def gated_batch(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return regression_batch(gen, in_dim=7, out_dim=3)
+
+
+def gated_pair() -> tuple[Gated, Gated]:
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = Gated()
+        fully_shard(model)  # one group: every parameter in one flat shard buffer
+        models.append(model)
+    return models[0], models[1]
+
+
+def step_gated(models: tuple[nn.Module, ...], opts: tuple[torch.optim.Optimizer, ...], skips: list[frozenset[int]],
+               world_size: int, rank: int, seed: int) -> None:
+    """Train every model with its optimizer, ``skips[i]`` sitting out step ``i``; equal parameters and per-parameter
+    steps after every step."""
+    batches = random_batches(len(skips), world_size, gated_batch, seed=seed)
+    for step, (skip, step_batches) in enumerate(zip(skips, batches, strict=True)):
+        for model, opt in zip(models, opts, strict=True):
+            model.skip = skip
+            train(model, [step_batches], mse_loss, rank=rank, optim=opt)
+        reference, *others = models
+        for model in others:
+            for (name, a), b in zip(model.named_parameters(), reference.parameters(), strict=True):
+                torch.testing.assert_close(full(a), full(b), rtol=1e-6, atol=1e-6,
+                                           msg=lambda m: f"seed {seed} step {step} {name}: {m}")
+        steps = [{i: float(s["step"]) for i, s in opt.state_dict()["state"].items()} for opt in opts]
+        assert all(s == steps[0] for s in steps), f"seed {seed} step {step}: per-parameter steps differ: {steps}"
+
+
+def _steps_when_a_parameter_gets_no_gradient(rank: int, world_size: int, config: str) -> None:
+    torch_cls, ours_cls, kwargs = CONFIGS[config]
+    models = gated_pair()
+    opts = (torch_cls(models[0].parameters(), **kwargs), ours_cls(models[1].parameters(), **kwargs))
+    step_gated(models, opts, SKIPS + [frozenset()] * 2 + [frozenset({1}), frozenset()], world_size, rank, seed=3)
+    assert [float(s["step"]) for s in opts[1].state_dict()["state"].values()] == [6.0] * 2 + [5.0] * 2 + [7.0] * 2
+
+
+@pytest.mark.parametrize("config", ["adamw", "adam_amsgrad"])
+def test_flat_step_keeps_each_parameters_step_when_one_gets_no_gradient(config: str) -> None:
+    """A parameter without a gradient in some steps keeps its own step count (the flat step took the group's first)."""
+    run_ranks(2, _steps_when_a_parameter_gets_no_gradient, config)
+
+
+def _steps_loaded_from_torch(rank: int, world_size: int, config: str, how: str) -> None:
+    torch_cls, ours_cls, kwargs = CONFIGS[config]
+    models = gated_pair()
+    trained = torch_cls(models[0].parameters(), **kwargs)
+    step_gated(models[:1], (trained,), SKIPS, world_size, rank, seed=5)  # steps 2, 2, 3 in torch's state
+    models[1].load_state_dict(models[0].state_dict())
+    opts = (torch_cls(models[0].parameters(), **kwargs), ours_cls(models[1].parameters(), **kwargs))
+    for model, opt in zip(models, opts):  # copies: a loaded step tensor is taken as is, not copied
+        if how == "set_optimizer_state_dict":
+            set_optimizer_state_dict(model, opt, copy.deepcopy(get_optimizer_state_dict(models[0], trained)))
+        else:
+            opt.load_state_dict(copy.deepcopy(trained.state_dict()))
+    step_gated(models, opts, [frozenset()] * 3, world_size, rank, seed=6)
+    # Still flat: the spans of equal steps are slices of the group's flat state buffers.
+    assert len({opts[1].state[p]["exp_avg"].to_local().untyped_storage().data_ptr() for p in models[1].parameters()}) == 1
+    assert [float(s["step"]) for s in opts[1].state_dict()["state"].values()] == [5.0] * 4 + [6.0] * 2
+
+
+@pytest.mark.parametrize("how", ["set_optimizer_state_dict", "load_state_dict"])
+@pytest.mark.parametrize("config", ["adamw", "adam_amsgrad"])
+def test_flat_step_after_loading_differing_steps_from_torch(config: str, how: str) -> None:
+    """torch's state with several step counts in one group steps on each parameter's own count."""
+    run_ranks(2, _steps_loaded_from_torch, config, how)
+
+
+def test_equal_step_spans() -> None:
+    from fullshard.optim import equal_step_spans
+
+    assert equal_step_spans([4.0]) == [(0, 1)]
+    assert equal_step_spans([3.0] * 6) == [(0, 6)]
+    assert equal_step_spans([2.0, 2.0, 2.0, 2.0, 3.0, 3.0]) == [(0, 4), (4, 6)]
+    assert equal_step_spans([3.0, 3.0, 2.0, 2.0, 3.0]) == [(0, 2), (2, 4), (4, 5)]
+    assert equal_step_spans([1.0, 2.0, 1.0]) == [(0, 1), (1, 2), (2, 3)]
