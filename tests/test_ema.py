@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from fullshard import EMA, checkpoint
 from tests.harness import run_ranks
-from tests.models import Transformer, lm_loss
+from tests.models import Transformer, lm_loss, mse_loss
 from tests.parity import full_params, random_batches, token_batch, train
 from tests.test_state_dict import build_pair
 
@@ -69,3 +69,35 @@ def test_ema_rejects_bad_decay() -> None:
     for bad in (1.5, -0.1, "0.9", True):
         with pytest.raises(ValueError, match="EMA decay must be a number in \\[0, 1\\]"):
             EMA(Transformer(), bad)  # type: ignore[arg-type]
+
+
+def _ema_tp_full_tensors(rank: int, world_size: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tests.test_tensor_parallel import Net, batch, parallelize
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = parallelize(Net(), mesh["dp"], mesh["tp"])  # in_proj: 15 rows, TP pieces of 8 and 7, dp chunks of 4/4, 4/3
+    ema = EMA(model, DECAY)
+    for step_batches in random_batches(2, 2, batch):
+        train(model, [step_batches], mse_loss, rank=mesh["dp"].get_local_rank())
+        ema.update()
+    gen = torch.Generator().manual_seed(3)
+    loaded = {name: torch.randn(p.shape, generator=gen) for name, p in model.named_parameters()}
+    ema.load_state_dict(loaded)
+    torch.testing.assert_close(ema.full_state_dict(rank0_only=False), loaded, rtol=0, atol=0)
+    # Each rank holds the piece the model's own load_state_dict cuts from the same full tensors.
+    model.load_state_dict(loaded)
+    averages = ema.state_dict()
+    for name, p in model.named_parameters():
+        assert averages[name].placements == p.placements, name
+        torch.testing.assert_close(averages[name].to_local(), p.to_local(), rtol=0, atol=0, msg=name)
+    wrong = dict(loaded, **{"blocks.0.in_proj.weight": torch.zeros(14, 5)})
+    with pytest.raises(ValueError, match=r"EMA state for 'blocks.0.in_proj.weight' has shape \(14, 5\), expected \(15, 5\)"):
+        ema.load_state_dict(wrong)
+
+
+def test_ema_loads_full_tensors_with_tensor_parallel_uneven_rows() -> None:
+    """Full tensors load into an EMA of a dp x tp model whose rows do not divide (was a bare AssertionError)."""
+    run_ranks(4, _ema_tp_full_tensors)

@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fullshard.errors import expect_module
+from fullshard.group import group_of
 from fullshard.param import full_tensor
 from fullshard.runtime import TrainingState, states_in
 
@@ -99,15 +100,31 @@ class EMA:
         for name, average in self._average.items():
             value = state_dict[name]
             if tuple(value.shape) != tuple(average.shape):
-                raise ValueError(f"EMA state for {name!r} has shape {tuple(value.shape)}, expected {tuple(average.shape)}")
+                raise ValueError(f"EMA state for {name!r} has shape {tuple(value.shape)}, expected {tuple(average.shape)} "
+                                 "(the parameter's full shape: pass EMA.state_dict() or full tensors of this model)")
             if isinstance(average, DTensor):
-                if not (isinstance(value, DTensor) and value.placements == average.placements
-                        and value.device_mesh == average.device_mesh):
-                    full = full_tensor(value) if isinstance(value, DTensor) else value
-                    value = distribute_tensor(full.to(average.dtype), average.device_mesh, average.placements)
-                average.to_local().copy_(value.to_local())
+                if isinstance(value, DTensor) and value.placements == average.placements \
+                        and value.device_mesh == average.device_mesh:
+                    local = value.to_local()
+                else:
+                    local = self._local_piece(name, average, full_tensor(value) if isinstance(value, DTensor) else value)
+                average.to_local().copy_(local)
             else:
                 average.copy_(full_tensor(value) if isinstance(value, DTensor) else value)
+
+    def _local_piece(self, name: str, average: DTensor, full: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of the full tensor ``full`` of parameter ``name``.
+
+        A parameter of a fullshard group is cut as the model's own ``load_state_dict`` cuts it
+        (its tensor-parallel piece first, then this rank's rows of that, none of it collective), so
+        rows that divide unevenly over (dp, tp) land where the parameter's own rows are.
+        """
+        param = self._params[name]
+        group = group_of(param)
+        if group is not None:
+            sharded = next(p for p in group.params if p.sharded is param)
+            return sharded.local_part(full)
+        return distribute_tensor(full.to(average.dtype), average.device_mesh, average.placements).to_local()
 
     def full_state_dict(self, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
         """Full CPU tensors of the averages: ``{}`` on ranks other than 0 when ``rank0_only``. Collective."""
