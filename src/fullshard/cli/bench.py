@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
@@ -38,6 +39,7 @@ from fullshard.api import fully_shard
 from fullshard.cli import launch
 from fullshard.cli.train import state_bytes
 from fullshard.gpt import GPT, GPTConfig, lm_loss
+from fullshard.policy import MixedPrecisionPolicy
 
 IMPLEMENTATIONS = ("fullshard", "torch-fsdp2", "ddp")
 
@@ -65,12 +67,10 @@ class ByteCounter:
         return wrapper
 
     def ddp_hook(self) -> Callable[..., Any]:
-        """A DDP comm hook that counts each bucket's all-reduce (DDP's reducer bypasses the Python collectives)."""
+        """A DDP comm hook that all-reduces each bucket through ``dist.all_reduce``, where it is counted once
+        (DDP's reducer would otherwise call the process group directly, bypassing the counter)."""
 
         def hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP rejects string annotations here
-            world = dist.get_world_size()
-            buffer = bucket.buffer()
-            self.bytes += 2 * buffer.numel() * buffer.element_size() * (world - 1) / world
             return default_hooks.allreduce_hook(state, bucket)
 
         return hook
@@ -89,7 +89,8 @@ def _payload(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.
     return args[1] if len(args) > 1 else kwargs["input"]
 
 
-def build(name: str, cfg: GPTConfig, device: torch.device, counter: ByteCounter) -> nn.Module:
+def build(name: str, cfg: GPTConfig, device: torch.device, counter: ByteCounter,
+          args: argparse.Namespace | None = None) -> nn.Module:
     torch.manual_seed(0)
     model = GPT(cfg).to(device)
     if name == "ddp":
@@ -97,10 +98,21 @@ def build(name: str, cfg: GPTConfig, device: torch.device, counter: ByteCounter)
         ddp.register_comm_hook(None, counter.ddp_hook())
         return ddp
     shard = fully_shard if name == "fullshard" else torch_fully_shard
+    kwargs: dict[str, Any] = {}
+    if args is not None and getattr(args, "dtype", "fp32") == "bf16":
+        policy = MixedPrecisionPolicy if name == "fullshard" else TorchMixedPrecisionPolicy
+        kwargs["mp_policy"] = policy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model.blocks:
-        shard(block)
-    shard(model)
+        shard(block, **kwargs)
+    root_reshard = True if args is not None and getattr(args, "reshard_root", False) else None
+    shard(model, reshard_after_forward=root_reshard, **kwargs)
     return model
+
+
+def make_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
+    """torch's AdamW: its default implementation, or ``--foreach off`` (one kernel per parameter)."""
+    foreach = None if getattr(args, "foreach", "default") == "default" else False
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=foreach)
 
 
 def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
@@ -110,8 +122,8 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
     counter = ByteCounter()
     runs: dict[str, dict[str, Any]] = {}
     for name in args.implementations:
-        model = build(name, cfg, device, counter)
-        runs[name] = {"model": model, "opt": torch.optim.AdamW(model.parameters(), lr=1e-3), "times": [], "bytes": [],
+        model = build(name, cfg, device, counter, args)
+        runs[name] = {"model": model, "opt": make_optimizer(model, args), "times": [], "bytes": [],
                       "peak": 0, "state": 0, "params": 0, "losses": []}
     gen = torch.Generator().manual_seed(1 + rank)
     for step in range(args.warmup + args.steps):
@@ -154,7 +166,9 @@ def report(runs: dict[str, dict[str, Any]], cfg: GPTConfig, world_size: int, dev
     first = args.implementations[0]
     lines = [
         f"GPT {cfg.n_layers} blocks, width {cfg.dim}, {n_params / 1e6:.2f}M parameters, batch {args.batch_size}x"
-        f"{cfg.seq_len} per rank, world size {world_size}, {device.type}, {args.steps} timed steps each",
+        f"{cfg.seq_len} per rank, world size {world_size}, {device.type}, {args.steps} timed steps each; "
+        f"{getattr(args, 'dtype', 'fp32')}, root resharded after forward: {getattr(args, 'reshard_root', False)}, "
+        f"AdamW foreach: {getattr(args, 'foreach', 'default')}",
         f"{'':12s} {'step ms':>9s} {'vs ' + first:>14s} {'params B/rank':>14s} {'state MiB/rank':>15s} {'peak MiB':>9s} "
         f"{'sent MiB/step':>14s} {'max loss diff':>14s}",
     ]
@@ -181,6 +195,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", type=int, default=4, help="attention heads (default: 4)")
     p.add_argument("--seq-len", type=int, default=128, help="sequence length (default: 128)")
     p.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step (default: 4)")
+    p.add_argument("--reshard-root", action="store_true",
+                   help="reshard the root's parameters after forward too (default: kept for backward, as FSDP2's)")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="bf16: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) for both FSDPs (default: fp32)")
+    p.add_argument("--foreach", choices=("default", "off"), default="default",
+                   help="torch's AdamW with its default implementation, or foreach=False (default: default)")
     p.add_argument("--simulate-ranks", type=int, metavar="N",
                    help="one rank of an N-rank job in this process, torch's fake process group standing in for the "
                         "others (no bytes move; --nproc is ignored)")
