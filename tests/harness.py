@@ -20,6 +20,7 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import pickle
+import shutil
 import signal
 import tempfile
 import time
@@ -125,6 +126,7 @@ def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: floa
                 proc.kill()
                 proc.join()
         del store
+        shutil.rmtree(tmpdir, ignore_errors=True)
 
     if errors or hung:
         parts = [f"--- rank {r} raised:\n{errors[r]}" for r in sorted(errors)]
