@@ -8,7 +8,10 @@ over the replicas. The sum is divided once, at the end, by the data-parallel
 size (or ``ReduceSettings.divide_factor``); on NCCL, when the factor is the
 data-parallel size and sum-only reductions are not forced, the collectives
 average instead (``ReduceOp.AVG``). fp16 is the exception: the division is
-split into a factor before the sum and one after, so the sum cannot overflow.
+split into a power of two before the sum and the rest after (``split_division``),
+so the sum cannot overflow and the pre-division rounds nothing; the gradients
+then equal torch's FSDP2's bit for bit. So is every reduce dtype other than fp32
+and bf16 (fp64), as in FSDP2.
 The result is cast to the parameters' dtype (and copied to pinned host memory
 when offloading) and becomes the sharded gradients: the flat gradient buffer,
 or added into gradients already there. Hooks registered with
@@ -40,7 +43,6 @@ column per parameter in the collective.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum, auto
@@ -227,10 +229,12 @@ class GradReducer:
             return dist.ReduceOp.SUM, 1.0, 1.0  # the hook averages
         dp_size = float(group.mesh_info.data_parallel_size)
         total = settings.divide_factor if settings.divide_factor is not None else dp_size
-        if group.reduce_dtype == torch.float16:
-            # fp16 overflows at 65504: divide part before the sum, the rest after.
-            before = math.sqrt(total)
-            return dist.ReduceOp.SUM, before, total / before
+        if group.reduce_dtype not in (torch.float32, torch.bfloat16):
+            # fp16 overflows at 65504: a power of two near the square root before the sum, the rest after
+            # (split_division). Every reduce dtype but fp32 and bf16 is split so, as in torch's FSDP2, whose
+            # gradients these then equal bit for bit.
+            before, after = split_division(total)
+            return dist.ReduceOp.SUM, before, after
         if self._nccl and not settings.force_sum_reduction and total == dp_size:
             return dist.ReduceOp.AVG, 1.0, 1.0
         return dist.ReduceOp.SUM, 1.0, total
@@ -409,6 +413,23 @@ class GradReducer:
             p.unsharded.grad = None
             p.accumulated_grad = None
         self._partial_sums.clear()
+
+
+def split_division(factor: float) -> tuple[float, float]:
+    """``(before, after)``: divide by ``before`` ahead of the sum and by ``after`` behind it (product ``factor``).
+
+    ``before`` is a power of two: starting from 1, it doubles for as long as it divides ``factor``
+    and its square is below ``factor`` (the last doubling may leave one that does not divide).
+    Dividing by a power of two is exact in binary floating point (barring underflow), so fp16
+    gradients shrink by about the square root of the factor before the sum without rounding, and
+    the result rounds as torch's FSDP2 rounds it. Two ranks: 2 before, 1 after (nothing to do);
+    four: 2 and 2; six: 4 and 1.5 (2 divides 6 and 2 * 2 < 6, so it doubles once more); eight: 4
+    and 2; a factor 1 does not divide (2.5): 1 and 2.5.
+    """
+    before = 1.0
+    while factor % before == 0 and before * before < factor:
+        before *= 2
+    return before, factor / before
 
 
 def pack_rank_major(layout: GroupLayout, grads: list[torch.Tensor], out: torch.Tensor) -> None:
