@@ -58,6 +58,7 @@ class Case:
     list_group: bool = False  # blocks 0 and 1 as one group
     nested: bool = False  # block 0's linear sharded on its own inside block 0's group
     container: bool = False  # blocks return (tensor, {"aux": tensor})
+    mixed_dtype: bool = False  # block 0's linear layer in float64 beside the group's fp32 parameters
     mp: str = "none"  # none | bf16 | bf16_fp32_reduce
     offload: bool = False
     reshard: str = "true"  # true | false | int (2 of 4 ranks) | root_false
@@ -92,7 +93,7 @@ class Case:
     def fsdp2_supported(self) -> bool:
         """Whether torch's FSDP2 trains this case (it rejects ties across groups, zero-element parameters,
         parameters used on some ranks only, fullshard's own optimizers, EMA and quantized communication)."""
-        return (self.tie in ("none", "within") and not self.zero_numel and self.branch != "ranks"
+        return (self.tie in ("none", "within") and not self.zero_numel and self.branch != "ranks" and not self.mixed_dtype
                 and self.optim in ("sgd", "adamw") and self.clip != "fullshard" and not self.quantized
                 and not self.ema and self.resume_ws == 0)
 
@@ -125,7 +126,7 @@ def draw(seed: int) -> Case:
         "tie": rng.choice(["none", "none", "within", "across", "after"]),
         "branch": rng.choice(["none", "none", "steps", "ranks", "param_steps"]),
         "list_group": len(widths) >= 4 and rng.random() < 0.3, "nested": rng.random() < 0.15,
-        "container": rng.random() < 0.25, "mp": rng.choice(["none", "none", "none", "bf16", "bf16_fp32_reduce"]),
+        "container": rng.random() < 0.25, "mixed_dtype": rng.random() < 0.12, "mp": rng.choice(["none", "none", "none", "bf16", "bf16_fp32_reduce"]),
         "offload": rng.random() < 0.2, "reshard": rng.choice(["true", "true", "false", "root_false"]),
         "accumulation": rng.choice([1, 1, 2, 3]), "eval_pass": rng.choice(["none", "none", "all", "replica"]),
         "manual_unshard": rng.random() < 0.2, "optim": rng.choice(["sgd", "adamw", "fs_adamw", "fs_sgd"]),
@@ -142,8 +143,11 @@ def draw(seed: int) -> Case:
         kw["eval_pass"] = "all"  # one rank alone cannot all-gather over all of them
     if kw["quantized"]:
         kw["mp"] = "none"
+    if kw["mixed_dtype"]:
+        kw["quantized"] = False
+        kw["reshard"] = "true" if kw["reshard"] == "int" else kw["reshard"]
     if rng.random() < 0.4:  # a case torch's FSDP2 runs too, so the two are compared
-        kw.update(tie=rng.choice(["none", "within"]), zero_numel=False, quantized=False, ema=False,
+        kw.update(tie=rng.choice(["none", "within"]), zero_numel=False, quantized=False, ema=False, mixed_dtype=False,
                   branch=rng.choice(["none", "steps", "param_steps"]), optim=rng.choice(["sgd", "adamw"]),
                   clip=rng.choice(["none", "torch"]))
         return Case(seed, **kw)
@@ -176,7 +180,7 @@ class Block(nn.Module):
         self.step = 0
 
     def forward(self, x: torch.Tensor) -> Any:
-        h = self.lin(x)
+        h = self.lin(x.to(self.lin.weight.dtype)).to(x.dtype)
         if self.norm is not None:
             h = self.norm(h)
         if hasattr(self, "empty"):
@@ -229,6 +233,8 @@ def build(case: Case) -> Net:
     with torch.no_grad():
         for p in model.parameters():
             p.uniform_(-0.6, 0.6)
+    if case.mixed_dtype:
+        model.blocks[0].lin.double()
     return model
 
 
@@ -406,7 +412,7 @@ def reference_bf16_backward(case: Case, model: Net, per_rank: list[Any]) -> list
         total = grads[0]
         for g in grads[1:]:
             total = total + g
-        mean = (total / len(per_rank)).float()
+        mean = (total / len(per_rank)).to(p.dtype)
         p.grad = mean if p.grad is None else p.grad + mean
     return losses
 

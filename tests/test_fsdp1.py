@@ -165,6 +165,40 @@ def test_clip_grad_norm(norm_type: float, max_norm: float, world_size: int) -> N
     run_ranks(world_size, _clip, norm_type, max_norm)
 
 
+def _clip_float64(rank: int, world_size: int) -> None:
+    """A group holding a float64 layer beside fp32 ones (mixed dtypes): the norm and the clipped gradients
+    equal torch's clip_grad_norm_ on the unsharded model (float64 norms were refused by the fp32 kernel)."""
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+        model[0].double()
+        return model
+
+    class AsDouble(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner[2](self.inner[1](self.inner[0](x.double())).float())
+
+    ref, model = AsDouble(build()), AsDouble(build())
+    fully_shard(model)
+    x = torch.randn(4 * world_size, 5, generator=torch.Generator().manual_seed(3))
+    ref(x).square().mean().backward()
+    model(x.chunk(world_size)[rank]).square().mean().backward()
+    norm = clip_grad_norm_(model, 0.01)
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01)
+    assert norm.dtype == torch.float32
+    torch.testing.assert_close(norm, ref_norm.float())
+    for name, grad in full_grads(model).items():
+        torch.testing.assert_close(grad, dict(ref.named_parameters())[name].grad, msg=lambda m: f"{name}: {m}")
+
+
+def test_clip_grad_norm_of_float64_gradients() -> None:
+    run_ranks(2, _clip_float64)
+
+
 def _nonfinite(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     model = Transformer()

@@ -143,7 +143,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
         nonempty = [g for g in bucket if g.numel()]  # a rank past the end of a parameter holds no rows
         part = torch.zeros((), dtype=torch.float32, device=device)
         if nonempty:
-            norms = torch.stack([n.to(device) for n in torch._foreach_norm(nonempty, norm_type, dtype=torch.float32)])
+            norms = torch.stack([n.to(device) for n in _norms(nonempty, norm_type)])
             part = norms.max() if infinite else norms.pow(norm_type).sum()
         parts, mesh_axes = per_mesh.get(mesh, ([], set()))
         parts.append((part, axes))
@@ -174,6 +174,14 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
         for (dev, dtype), grads in by_device.items():
             torch._foreach_mul_(grads, coef.to(device=dev, dtype=dtype))
     return total
+
+
+def _norms(grads: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
+    """fp32 norms of ``grads``: fp32 and narrower ones accumulated in fp32, float64 ones in float64."""
+    narrow = [g for g in grads if g.dtype != torch.float64]
+    wide = [g for g in grads if g.dtype == torch.float64]
+    norms = list(torch._foreach_norm(narrow, norm_type, dtype=torch.float32)) if narrow else []
+    return norms + [n.float() for n in torch._foreach_norm(wide, norm_type)] if wide else norms
 
 
 def nonfinite_gradients(model: nn.Module) -> list[str]:
