@@ -23,17 +23,14 @@ from __future__ import annotations
 import inspect
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from fullshard.param import contiguous_stride, rank_axis_view
-
-if TYPE_CHECKING:
-    from fullshard.group import ParamGroup
-    from fullshard.param import ShardedParam
-    from fullshard.policy import MixedPrecisionPolicy
+from fullshard.mesh import MeshInfo
+from fullshard.param import ShardedParam, contiguous_stride, rank_axis_view
+from fullshard.policy import MixedPrecisionPolicy
 
 @dataclass(frozen=True)
 class QuantizedCommPolicy:
@@ -72,10 +69,28 @@ def validate_comm_policy(policy: object) -> QuantizedCommPolicy | None:
     return policy
 
 
+class CodecGroup(Protocol):
+    """What the codecs read of their parameter group (:class:`fullshard.group.ParamGroup`).
+
+    A protocol rather than the class itself, so that imports flow one way: group -> codec.
+    """
+
+    @property
+    def params(self) -> list[ShardedParam]: ...
+
+    @property
+    def mixed(self) -> bool: ...
+
+    @property
+    def mesh_info(self) -> MeshInfo: ...
+
+    def param_compute_dtype(self, p: ShardedParam) -> torch.dtype: ...
+
+
 class Codec:
     """A parameter sent as its shard cast to the compute dtype (the default, inside a packed group)."""
 
-    def __init__(self, param: ShardedParam, group: ParamGroup) -> None:
+    def __init__(self, param: ShardedParam, group: CodecGroup) -> None:
         self.param = param
         self.group = group
 
@@ -103,7 +118,7 @@ class Codec:
 class Int8BlockCodec(Codec):
     """int8 in blocks with fp32 absmax scales (:class:`QuantizedCommPolicy`)."""
 
-    def __init__(self, param: ShardedParam, group: ParamGroup, block_size: int) -> None:
+    def __init__(self, param: ShardedParam, group: CodecGroup, block_size: int) -> None:
         super().__init__(param, group)
         self.block_size = block_size
         self.numel = param.layout.shard_numel
@@ -141,7 +156,7 @@ class ExtensionCodec(Codec):
     reserves the parameter's slot (unused).
     """
 
-    def __init__(self, param: ShardedParam, group: ParamGroup, mesh: Any, module: nn.Module,
+    def __init__(self, param: ShardedParam, group: CodecGroup, mesh: Any, module: nn.Module,
                  mp_policy: MixedPrecisionPolicy) -> None:
         super().__init__(param, group)
         self.mesh = mesh
@@ -191,7 +206,7 @@ class ExtensionCodec(Codec):
             t.untyped_storage().resize_(0)
 
 
-def make_codecs(group: ParamGroup, policy: QuantizedCommPolicy | None, mp_policy: MixedPrecisionPolicy) -> list[Codec] | None:
+def make_codecs(group: CodecGroup, policy: QuantizedCommPolicy | None, mp_policy: MixedPrecisionPolicy) -> list[Codec] | None:
     """The group's codecs, or None when every parameter travels plain (the flat all-gather)."""
     if policy is None and not group.mixed and not any(p.extension is not None for p in group.params):
         return None

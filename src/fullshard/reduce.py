@@ -46,18 +46,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum, auto
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from fullshard.collectives import PendingCollective, all_reduce, profiled, reduce_scatter, run_hook_on
+from fullshard.collectives import CommStreams, PendingCollective, all_reduce, profiled, reduce_scatter, run_hook_on
 from fullshard.layout import GroupLayout, ParamLayout
+from fullshard.mesh import MeshInfo
 from fullshard.param import FLAT_GRAD, FlatGrad, ShardedParam, rank_axis_view
-
-if TYPE_CHECKING:
-    from fullshard.group import ParamGroup
 
 CommHook = Callable[[Any, torch.Tensor, torch.Tensor], None]
 
@@ -164,10 +162,61 @@ def _fire_post_accumulate_hooks(params: list[ShardedParam]) -> None:
             hook(p.sharded)
 
 
+class ReduceGroup(Protocol):
+    """What gradient reduction reads of its parameter group (:class:`fullshard.group.ParamGroup`).
+
+    A protocol rather than the class itself, so that imports flow one way: group -> reduce.
+    """
+
+    @property
+    def params(self) -> list[ShardedParam]: ...
+
+    @property
+    def layout(self) -> GroupLayout: ...
+
+    @property
+    def mesh_info(self) -> MeshInfo: ...
+
+    @property
+    def streams(self) -> CommStreams: ...
+
+    @property
+    def label(self) -> str: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def shard_device(self) -> torch.device: ...
+
+    @property
+    def pin_memory(self) -> bool: ...
+
+    @property
+    def compute_dtype(self) -> torch.dtype: ...
+
+    @property
+    def reduce_dtype(self) -> torch.dtype: ...
+
+    @property
+    def mixed(self) -> bool: ...
+
+    @property
+    def flat_shard(self) -> torch.Tensor: ...
+
+    @property
+    def flat_steppable(self) -> bool: ...
+
+    @property
+    def weak_self(self) -> Any: ...  # a weak reference to the group, carried by FlatGrad
+
+    def split(self, flat: torch.Tensor, layout: GroupLayout, unsharded: bool = False) -> list[torch.Tensor]: ...
+
+
 class GradReducer:
     """Reduces one group's gradients into its sharded gradients (see [Note: Gradient reduction])."""
 
-    def __init__(self, group: ParamGroup) -> None:
+    def __init__(self, group: ReduceGroup) -> None:
         self.group = group
         self.settings = ReduceSettings()
         self._layouts: dict[tuple[bool, ...], GroupLayout] = {}  # by packed parameters; the flag columns last
