@@ -46,8 +46,9 @@ def test_split_division_as_torch() -> None:
     for shard in range(1, 17):
         for replicate in (None, 2):
             for custom in [None, *customs]:
-                groups: Any = (_Group(shard), None if replicate is None else _Group(replicate))
-                pre, post, _, _ = _get_gradient_divide_factors(*groups, torch.float16, "cpu", custom)
+                shard_group: Any = _Group(shard)
+                replicate_group: Any = None if replicate is None else _Group(replicate)
+                pre, post, _, _ = _get_gradient_divide_factors(shard_group, replicate_group, torch.float16, "cpu", custom)
                 total = custom if custom is not None else float(shard * (replicate or 1))
                 before, after = split_division(total)
                 assert (before, after) == (pre, post), (shard, replicate, custom)
