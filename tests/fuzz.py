@@ -505,15 +505,15 @@ def compare(ref: Record, rec: Record, steps: list[int], expected_losses: Any, wh
         if set(grads) != set(rec.grads[i]):
             return f"{what}: step {step} gradients of {sorted(set(grads) ^ set(rec.grads[i]))} missing on one side"
         for name, g in grads.items():
-            if not torch.allclose(rec.grads[i][name], g, **tol):
-                return f"{what}: step {step} gradient {name} differs by {(rec.grads[i][name] - g).abs().max().item():.3g}"
+            if not torch.allclose(rec.grads[i][name].double(), g.double(), **tol):
+                return f"{what}: step {step} gradient {name} differs by {(rec.grads[i][name].double() - g.double()).abs().max().item():.3g}"
     if final:
         for kind, ref_values, values in (("parameter", ref.params, rec.params), ("EMA", ref.ema, rec.ema)):
             for name, value in ref_values.items():
                 if name not in values:
                     return f"{what}: final {kind} {name} missing"
-                if not torch.allclose(values[name], value, **tol):
-                    return f"{what}: final {kind} {name} differs by {(values[name] - value).abs().max().item():.3g}"
+                if not torch.allclose(values[name].double(), value.double(), **tol):
+                    return f"{what}: final {kind} {name} differs by {(values[name].double() - value.double()).abs().max().item():.3g}"
     return None
 
 
