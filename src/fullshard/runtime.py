@@ -561,7 +561,9 @@ def _take_over_late_ties(states: list[HookState], module_names: dict[nn.Module, 
     """
     for state in states:
         group = state.group
-        for replaced in list(group.params) if group is not None else ():
+        if group is None:
+            continue
+        for replaced in list(group.params):
             for site in list(replaced.sites):
                 value = site.module._parameters.get(site.name)
                 owner = group_of(value) if value is not None and value is not replaced.sharded else None
