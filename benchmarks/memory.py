@@ -67,7 +67,8 @@ class LiveBytes(TorchDispatchMode):
     def _set(self, key: int, nbytes: int) -> None:
         self.total += nbytes - self.sizes[key]
         if nbytes - self.sizes[key] > 1 << 18:
-            self.recent = [*self.recent[-11:], f"{(nbytes - self.sizes[key]) / MIB:+.2f} {self.labels[key]} -> {self.total / MIB:.2f}"]
+            change = f"{(nbytes - self.sizes[key]) / MIB:+.2f} {self.labels[key]} -> {self.total / MIB:.2f}"
+            self.recent = [*self.recent[-11:], change]
         self.sizes[key] = nbytes
         if self.total > self.peak:
             self.peak, self.peak_phase = self.total, self.phase

@@ -126,7 +126,8 @@ def draw(seed: int) -> Case:
         "tie": rng.choice(["none", "none", "within", "across", "after"]),
         "branch": rng.choice(["none", "none", "steps", "ranks", "param_steps"]),
         "list_group": len(widths) >= 4 and rng.random() < 0.3, "nested": rng.random() < 0.15,
-        "container": rng.random() < 0.25, "mixed_dtype": rng.random() < 0.12, "mp": rng.choice(["none", "none", "none", "bf16", "bf16_fp32_reduce"]),
+        "container": rng.random() < 0.25, "mixed_dtype": rng.random() < 0.12,
+        "mp": rng.choice(["none", "none", "none", "bf16", "bf16_fp32_reduce"]),
         "offload": rng.random() < 0.2, "reshard": rng.choice(["true", "true", "false", "root_false"]),
         "accumulation": rng.choice([1, 1, 2, 3]), "eval_pass": rng.choice(["none", "none", "all", "replica"]),
         "manual_unshard": rng.random() < 0.2, "optim": rng.choice(["sgd", "adamw", "fs_adamw", "fs_sgd"]),
@@ -329,15 +330,17 @@ def shard(case: Case, model: Net, impl: str) -> None:
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
-    from fullshard.param import full_tensor
     from torch.distributed.tensor import DTensor
+
+    from fullshard.param import full_tensor
 
     return (full_tensor(t) if isinstance(t, DTensor) else t).detach().float().cpu().clone()
 
 
 @dataclass
 class Record:
-    losses: list[list[float]] = dataclasses.field(default_factory=list)  # [step][micro]: this rank's (sharded) or every rank's mean
+    # [step][micro]: this rank's loss (sharded) or every rank's (the reference)
+    losses: list[list[float]] = dataclasses.field(default_factory=list)
     grads: list[dict[str, torch.Tensor]] = dataclasses.field(default_factory=list)
     params: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     ema: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
@@ -494,6 +497,10 @@ def run_batch(rank: int, world_size: int, jobs: list[tuple[Case, str, int, str]]
 # ---- comparison ---------------------------------------------------------------------------------------
 
 
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max())
+
+
 def compare(ref: Record, rec: Record, steps: list[int], expected_losses: Any, what: str, tol: dict[str, float],
             final: bool) -> str | None:
     """The first difference between one rank's record and the reference (``None``: none)."""
@@ -506,14 +513,14 @@ def compare(ref: Record, rec: Record, steps: list[int], expected_losses: Any, wh
             return f"{what}: step {step} gradients of {sorted(set(grads) ^ set(rec.grads[i]))} missing on one side"
         for name, g in grads.items():
             if not torch.allclose(rec.grads[i][name].double(), g.double(), **tol):
-                return f"{what}: step {step} gradient {name} differs by {(rec.grads[i][name].double() - g.double()).abs().max().item():.3g}"
+                return f"{what}: step {step} gradient {name} differs by {_max_diff(rec.grads[i][name], g):.3g}"
     if final:
         for kind, ref_values, values in (("parameter", ref.params, rec.params), ("EMA", ref.ema, rec.ema)):
             for name, value in ref_values.items():
                 if name not in values:
                     return f"{what}: final {kind} {name} missing"
                 if not torch.allclose(values[name].double(), value.double(), **tol):
-                    return f"{what}: final {kind} {name} differs by {(values[name].double() - value.double()).abs().max().item():.3g}"
+                    return f"{what}: final {kind} {name} differs by {_max_diff(values[name], value):.3g}"
     return None
 
 

@@ -217,14 +217,14 @@ def _checks_per_iteration(rank: int, world_size: int) -> list[int]:
     from fullshard import failures
 
     compared = []
-    real = failures._compare
+    real = failures.Monitor._compare
 
-    def counting(check: Any, row: tuple[int, int, int], *args: Any) -> None:
+    def counting(monitor: Any, ticket: Any, row: tuple[int, int, int], *args: Any) -> None:
         if row[0] == failures._BEFORE:
             compared.append(row[1])
-        real(check, row, *args)
+        real(monitor, ticket, row, *args)
 
-    failures._compare = counting
+    failures.Monitor._compare = counting  # type: ignore[method-assign]
     model = sharded_blocks(30)
     x = torch.randn(4, 8)
     counts = []
@@ -289,3 +289,101 @@ def test_gradient_sync_on_one_rank_only_is_a_divergence(before: list[bool]) -> N
     assert [kind for kind, _ in results] == ["DivergenceError", "DivergenceError"], results
     assert results[0][1] == results[1][1]
     assert "reduce-scatter of group 'blocks.2'" in results[0][1], results
+
+
+def _replica_evaluates(rank: int, world_size: int, late: int) -> None:
+    """HSDP 2x2: replica 0 (ranks 0 and 1) runs an extra no_grad evaluation with ``unshard()`` before one step,
+    replica 1 does not (their all-gathers stay inside each shard group), and one rank is seconds late."""
+    from torch import nn
+
+    from tests.models import Transformer, lm_loss
+    from tests.parity import assert_parity, random_batches, token_batch, train
+
+    fullshard.set_collective_timeout(30)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    ref = Transformer()
+    torch.manual_seed(0)
+    model = Transformer()
+    for layer in model.blocks:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    batches = random_batches(4, world_size, token_batch)
+    steps = iter(range(len(batches)))
+
+    def loss_fn(m: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        step = next(steps)
+        if step == 2 and rank == late:
+            time.sleep(3)
+        if step == 2 and mesh.get_local_rank("replicate") == 0:
+            with torch.no_grad():
+                m.unshard()
+                m(batch[:, :-1])
+        m.unshard()
+        return lm_loss(m, batch)
+
+    assert_parity(train(ref, batches, lm_loss, rank=None), train(model, batches, loss_fn, rank=rank), rank)
+
+
+@pytest.mark.parametrize("late", [0, 3], ids=["late-in-evaluating-replica", "late-in-other-replica"])
+def test_evaluation_on_one_hsdp_replica_is_not_a_divergence(late: int) -> None:
+    """FSDP2 trains this with parity; the checks compare each shard group's and replicate group's collectives
+    apart, so one replica's extra all-gathers are never compared with the other replica's."""
+    run_ranks(4, _replica_evaluates, late, timeout=120)
+
+
+def _store_keys(rank: int, world_size: int, hsdp: bool) -> list[int]:
+    import torch.distributed as dist
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")) if hsdp else None
+    model = sharded_blocks(30, mesh)
+    store = dist.distributed_c10d._get_default_store()
+    x = torch.randn(4, 8)
+    counts = []
+    for step in range(12):
+        if step % 3 == 2:
+            with torch.no_grad():
+                model(x, [0, 1, 2])  # an evaluation pass between training steps
+        model.set_requires_gradient_sync(step % 2 == 0)
+        model(x, [0, 1, 2]).sum().backward()
+        dist.barrier()
+        counts.append(store.num_keys())
+    return counts
+
+
+@pytest.mark.parametrize("hsdp", [False, True], ids=["fsdp", "hsdp"])
+def test_store_keys_do_not_grow_with_steps(hsdp: bool) -> None:
+    """Nothing is written per step: the heartbeat key and the check groups' rendezvous keys, set once."""
+    counts = run_ranks(4 if hsdp else 2, _store_keys, hsdp, timeout=120)[0]
+    assert len(set(counts[2:])) == 1, counts
+
+
+def _inference_loop(rank: int, world_size: int) -> list[int]:
+    from fullshard import failures
+
+    before, ends = [], []
+    real = failures.Monitor._compare
+
+    def counting(monitor: Any, ticket: Any, row: tuple[int, int, int], *args: Any) -> None:
+        (before if row[0] == failures._BEFORE else ends).append(row[1])
+        real(monitor, ticket, row, *args)
+
+    failures.Monitor._compare = counting  # type: ignore[method-assign]
+    model = sharded_blocks(30)
+    x = torch.randn(4, 8)
+    counts = []
+    with torch.no_grad():
+        for _ in range(6):
+            model(x, [0, 1, 2])
+            counts.append(len(before))
+            before.clear()
+    return counts + [len(ends)]
+
+
+def test_forward_only_loops_reach_a_steady_state() -> None:
+    """Inference: the first forward's all-gathers are compared one by one; from the second on, the forward
+    that came before is compared whole at the next forward (one round trip) and its all-gathers go out as
+    they are."""
+    *per_forward, ends = run_ranks(2, _inference_loop, timeout=60)[0]
+    assert per_forward[0] >= 3 and per_forward[1:] == [0] * 5, per_forward
+    assert ends == 5, ends

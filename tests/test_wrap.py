@@ -198,8 +198,8 @@ FORWARD_UNLIMITED = [("ag", "root"), ("ag", "blocks.0"), ("ag", "blocks.1"), ("f
 @pytest.mark.parametrize(
     ("options", "forward", "block1_state"),
     [
-        ({}, FORWARD_NO_PREFETCH, ["UNSHARDING"]),  # FSDP1 defaults: BACKWARD_PRE, no forward prefetch
-        ({"forward_prefetch": True}, FORWARD_PREFETCH, ["UNSHARDING"]),
+        ({}, FORWARD_NO_PREFETCH, ["UNSHARDED"]),  # FSDP1 defaults: BACKWARD_PRE, no forward prefetch
+        ({"forward_prefetch": True}, FORWARD_PREFETCH, ["UNSHARDED"]),
         ({"forward_prefetch": True, "limit_all_gathers": False}, FORWARD_UNLIMITED, ["UNSHARDING"]),
         ({"backward_prefetch": BackwardPrefetch.BACKWARD_POST}, FORWARD_NO_PREFETCH, ["SHARDED"]),
         ({"backward_prefetch": None}, FORWARD_NO_PREFETCH, ["SHARDED"]),
@@ -207,7 +207,9 @@ FORWARD_UNLIMITED = [("ag", "root"), ("ag", "blocks.0"), ("ag", "blocks.1"), ("f
     ids=["defaults", "forward_prefetch", "unlimited", "backward_post", "no_backward_prefetch"],
 )
 def test_prefetch_options_change_issue_order(options: dict[str, Any], forward: list[Any], block1_state: list[str]) -> None:
-    """``block1_state``: block 1's state when block 0's backward all-gather is issued (before or after its backward)."""
+    """``block1_state``: block 1's state when block 0's backward all-gather is issued: UNSHARDED (its own all-gather
+    copied out first, its backward still to run: the prefetch goes out before it), UNSHARDING (unlimited all-gathers:
+    block 0's is issued before block 1's is even copied out) or SHARDED (after its backward)."""
     events, states = run_ranks(2, _prefetch_order, options)[0]
     assert events[: len(forward)] == forward, events
     assert states == block1_state, events

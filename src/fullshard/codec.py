@@ -32,6 +32,7 @@ from fullshard.mesh import MeshInfo
 from fullshard.param import ShardedParam, contiguous_stride, rank_axis_view
 from fullshard.policy import MixedPrecisionPolicy
 
+
 @dataclass(frozen=True)
 class QuantizedCommPolicy:
     """Communicate in low precision: int8 weights in the all-gather, bf16 gradients in the reduce-scatter.

@@ -91,6 +91,13 @@ class CommStreams:
         self._post_optim_event: Any = None  # replaces that wait, once
         self._all_gather_released: Any = None  # compute read the last released all-gather buffers
         self.h2d_done: Any = None  # the last host-to-device copy from pinned shards
+        # The root's divergence checks ([Note: Divergence check]); set at lazy init. It rides here because
+        # every collective of the root is issued with these streams.
+        self.monitor: failures.Monitor | None = None
+
+    def issued(self, kind: str, label: str, numel: int, group: dist.ProcessGroup | None) -> failures.Ticket | None:
+        """Record a collective about to go out on ``group`` (compared with the peers first where needed)."""
+        return self.monitor.issued(kind, label, numel, group) if self.monitor is not None else None
 
     @property
     def on_accelerator(self) -> bool:
@@ -161,13 +168,13 @@ class PendingCollective:
     issued: Any = None  # accelerators: an event after the side-stream work ``wait()`` must also order after
     what: str = ""  # for errors: "all-gather of group 'blocks.0'"
     group: dist.ProcessGroup | None = None
-    index: int = 0  # its place in the iteration's schedule ([Note: Divergence check] in failures.py)
+    ticket: failures.Ticket | None = None  # its place in the root's checks ([Note: Divergence check] in failures.py)
     parts: tuple[tuple[int, int, torch.dtype], ...] | None = None  # packed all-gather: (offset, bytes, dtype) each
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
             if self.output.device.type == "cpu":  # the host blocks: bounded, see [Note: Failure detection]
-                failures.wait(self.work, self.what, self.group, self.index)
+                failures.wait(self.work, self.what, self.group, self.ticket)
             else:
                 self.work.wait()
             self.work = None
@@ -213,32 +220,32 @@ def all_gather(
             inp.copy_(flat_shard, non_blocking=True)
             if flat_shard.device != device:
                 streams.h2d_done = streams.record()
-        output, work, index = _issue_all_gather(inp, world_size, group, label, comm)
+        output, work, ticket = _issue_all_gather(inp, world_size, group, label, comm, streams)
         # `work.wait()` orders the waiter after the collective, but not after the copy-in when no collective
         # runs (one rank, no elements): the event covers that (and states the order to stream checkers).
         issued = streams.record()
     return PendingCollective(work, output, (inp, output), issued=issued, what=f"all-gather of group {label!r}", group=group,
-                             index=index)
+                             ticket=ticket)
 
 
 def _issue_all_gather(
-    inp: torch.Tensor, world_size: int, group: dist.ProcessGroup | None, label: str, comm: Any
-) -> tuple[torch.Tensor, dist.Work | None, int]:
+    inp: torch.Tensor, world_size: int, group: dist.ProcessGroup | None, label: str, comm: Any, streams: CommStreams
+) -> tuple[torch.Tensor, dist.Work | None, failures.Ticket | None]:
     """Allocate the rank-major output (by ``comm`` when given) and issue the all-gather of ``inp`` into it."""
     if world_size == 1:
-        return inp, None, 0
+        return inp, None, None
     if comm is not None:
         output = comm.allocate((world_size * inp.numel(),), dtype=inp.dtype, device=inp.device)
     else:
         output = torch.empty(world_size * inp.numel(), dtype=inp.dtype, device=inp.device)
     if not inp.numel():
-        return output, None, 0
-    index = failures.issued("all-gather", label, inp.numel(), group)
+        return output, None, None
+    ticket = streams.issued("all-gather", label, inp.numel(), group)
     if comm is not None:
         work = comm(output, inp, group, async_op=True)
     else:
         work = _all_gather_single(output, inp, group=group, async_op=True)
-    return output, work, index
+    return output, work, ticket
 
 
 def all_gather_packed(
@@ -267,10 +274,10 @@ def all_gather_packed(
         for t, (offset, nbytes, dtype) in zip(tensors, parts):
             inp.narrow(0, offset, nbytes).view(dtype).copy_(t.reshape(-1))
         del tensors
-        output, work, index = _issue_all_gather(inp, world_size, group, label, comm)
+        output, work, ticket = _issue_all_gather(inp, world_size, group, label, comm, streams)
         issued = streams.record()
     return PendingCollective(work, output, (inp, output), issued=issued, what=f"all-gather of group {label!r}",
-                             group=group, index=index, parts=tuple(parts))
+                             group=group, ticket=ticket, parts=tuple(parts))
 
 
 def unpack(output: torch.Tensor, parts: tuple[tuple[int, int, torch.dtype], ...], world_size: int) -> list[torch.Tensor]:
@@ -301,7 +308,7 @@ def reduce_scatter(
         if world_size == 1 or inp.numel() == 0:
             return PendingCollective(None, inp.view(-1) if world_size == 1 else inp.new_empty(0), (inp,), streams.record())
         op = dist.ReduceOp.SUM if op is None else op
-        index = failures.issued("reduce-scatter", label, inp.numel(), group)
+        ticket = streams.issued("reduce-scatter", label, inp.numel(), group)
         if comm is not None:
             output = comm.allocate((inp.shape[1],), dtype=inp.dtype, device=inp.device)
             work = comm(output, inp.view(-1), group, op, async_op=True)
@@ -309,7 +316,7 @@ def reduce_scatter(
             output = torch.empty(inp.shape[1], dtype=inp.dtype, device=inp.device)
             work = _reduce_scatter_single(output, inp.view(-1), op=op, group=group, async_op=True)
     pending = PendingCollective(work, output, (inp, output), what=f"reduce-scatter of group {label!r}", group=group,
-                                index=index)
+                                ticket=ticket)
     return _ordered(pending, streams)
 
 
@@ -321,9 +328,10 @@ def all_reduce(
     Issued on the current stream (the all-reduce stream on accelerators).
     """
     with profiled("all_reduce", label):
-        index = failures.issued("all-reduce", label, tensor.numel(), group)
+        ticket = streams.issued("all-reduce", label, tensor.numel(), group)
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op is None else op, group=group, async_op=True)
-    pending = PendingCollective(work, tensor, (tensor,), what=f"all-reduce of group {label!r}", group=group, index=index)
+    pending = PendingCollective(work, tensor, (tensor,), what=f"all-reduce of group {label!r}", group=group,
+                                ticket=ticket)
     return _ordered(pending, streams)
 
 

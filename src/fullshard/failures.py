@@ -1,4 +1,4 @@
-"""Failing loudly and fast: collective timeouts, and naming the rank that died or fell behind.
+"""Failing loudly and fast: collective timeouts, naming the rank that died or fell behind, divergence.
 
 [Note: Failure detection]
 A rank that dies (killed, crashed) closes its connections: gloo peers waiting
@@ -12,9 +12,10 @@ says who is at fault:
   ``set_collective_timeout``). On accelerators the waits are stream-level and
   never block the host; there the process group's own timeout
   (``init_process_group(timeout=...)``, and NCCL's watchdog) bounds a hang.
-- Each process publishes a heartbeat in the process group's store from a
+- Each process publishes a heartbeat in the process group's store from one
   daemon thread every ``HEARTBEAT_S`` seconds: a counter and how many fullshard
-  collectives it has issued. Nothing on the training path touches the store.
+  collectives it has issued, one key per rank, overwritten. The thread stops
+  when the default process group is destroyed and at interpreter exit.
 - When a collective fails or times out, the rank compares the heartbeats over
   a few intervals: a rank whose heartbeat stopped is *dead*; a live rank that
   issued fewer collectives is *behind* (stuck, or running other code). The
@@ -30,89 +31,82 @@ on one rank, a module skipped on another. When the mismatched collectives
 differ in size, the transport fails (gloo aborts the receiving rank; NCCL
 hangs until its watchdog fires). When they have the same size (same-shaped
 blocks), they succeed and silently mix the data of different parameters.
-Every rank keeps the list of collectives it issued in the current iteration
-(kind, group, element count; the list restarts at each root forward) and a
-CRC-32 of it. Comparisons run on a gloo backend of their own per rank set,
-built at lazy init (also in NCCL jobs: it needs no device work or sync, and it
-completes when mismatched NCCL collectives hang on the device):
 
-- At the end of each backward, the ranks of the root's shard group all-gather
-  (end, count, CRC of the list). This catches a difference on NCCL before the
-  optimizer step can use mixed gradients. A list found identical is *known*
-  (the last ``KNOWN_SCHEDULES`` distinct ones are kept, the same on every rank).
-- On gloo groups, a rank compares a collective with its peers before issuing
-  it, in a 24-byte all-gather (before, index, CRC of the entry), unless every
-  known schedule it has followed so far this iteration has this collective
-  next: so in the first iteration every collective is compared, and later
-  only where the known schedules branch (with and without gradient sync: at
-  the first reduce-scatter) or where a rank's code departs from all of them.
-  Steady state compares nothing or once per backward (a check per collective
-  is a host round trip, about 0.4 ms on a loaded CPU machine; on every
-  collective it cost 15% of the bench GPT's step). A rank that departs never
-  issues the differing collective, so nothing is mixed and gloo never sees a
-  size mismatch (which aborts the receiving rank). When all ranks depart
-  alike (an evaluation pass, a schedule change decided on every rank) their
-  checks pair and pass. When one rank departs alone, it waits in its check
-  while its peers wait in the real collective: the store comparison below
-  names both. The rows of both checks have one size, so a check before an
-  extra collective pairs with a peer's end check and the difference shows.
-  Ranks that follow the same known schedules compare at the same places, and
-  every place two known schedules differ is compared, so two ranks cannot
-  follow different ones unchecked.
+Each root owns one ``Monitor``. It keeps a *track* per rank set that
+fullshard communicates over (a shard group, a replicate group, a post-forward
+group): the collectives issued on it (kind, group, element count) since the
+track's last *end check*, and a CRC-32 of that list. Tracks are separate
+because their ranks differ: on an HSDP mesh one replica may run an
+evaluation pass (all-gathers inside its shard group) that the other does not,
+which is correct and must not be compared across replicas. Every comparison
+runs on a gloo backend of the track's own, built at lazy init (also in NCCL
+jobs: it needs no device work and completes when mismatched NCCL collectives
+hang on the device).
+
+- *End checks*: at the end of each backward, every track that issued
+  collectives since its last check compares (end, count, CRC) over its ranks
+  in one 24-byte-per-rank all-gather; a forward with no backward (evaluation,
+  inference) is checked the same way at the next root forward. So an
+  iteration costs one host round trip per track (one for FSDP, two for HSDP),
+  found before the optimizer step can use mixed gradients. A list found
+  identical is *known* (the last ``KNOWN_SCHEDULES`` distinct ones per track,
+  the same on every rank of it).
+- *Checks before a collective* (gloo tracks only): a rank compares a
+  collective with its peers before issuing it, in the same 24-byte row
+  (before, index, CRC of the entry), unless every known list it has followed
+  so far since the track's last check has this collective next. So the first
+  iteration compares every collective, and later ones only where known lists
+  branch (with and without gradient sync: at the first reduce-scatter) or
+  where a rank departs from all of them. A rank that departs never issues the
+  differing collective, so nothing is mixed and gloo never sees a size
+  mismatch. When every rank departs alike, the checks pair and pass. When one
+  rank departs alone, it waits in its check while its peers wait in the real
+  collective: the store comparison below names both. Checks and end checks
+  have one row size, so a check that pairs with a peer's end check shows the
+  difference too.
 
 On a difference the ranks exchange their lists and every rank raises the same
 ``DivergenceError`` naming the first collective that differs. The message is
-also posted in the store (the first verdict of a check wins, so two ranks
-that find it at once still agree): ranks outside the comparing group (the
-other groups of an HSDP mesh) find it in their next wait and raise it too, and
-the rank that posted waits up to a few seconds for every rank to have read it
-(the store may live in its process).
+posted under one store key per monitor (the first posted wins, so two ranks
+that find it at once still agree): ranks outside the comparing track (the
+other shard groups of an HSDP mesh) find it in their next long wait and raise
+it too, and the rank that posted waits up to a few seconds for every rank to
+have read it (the store may live in its process).
 
-A rank waiting on the host in a collective its peer never reaches (the peer
-finished the iteration with fewer collectives and runs other code) looks in
-the store between one-second slices of the wait: before its end check each
-rank posts its count there, and a long wait posts which collective it waits
-in. When a peer finished with fewer collectives or waits in another one, the
-rank posts the verdict and raises; the peer reads it in its own wait.
+A rank waiting on the host longer than ``POLL_S`` looks in the store between
+slices of the wait. Before each end check a rank posts, under one key per rank
+and track, the check's number and its collective count; a long wait posts
+which collective it waits in (removed when the wait ends). When a peer
+finished the same segment with fewer collectives, or waits in another
+collective at the same place, the rank posts the verdict and raises; the peer
+reads it in its own wait. The store therefore holds a fixed number of keys
+per rank for the whole job: the heartbeat, and per track the last end check
+and the wait in progress.
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import itertools
 import json
 import os
 import threading
 import time
+import weakref
 import zlib
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
 HEARTBEAT_S = 1.0
 POLL_S = 1.0  # host waits longer than this look for failures between slices
-# Store keys, per torchrun attempt (torchrun keeps its store across restarts).
-_PREFIX = f"fullshard/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
-_KEY = _PREFIX + "heartbeat/"
-_AT_CHECK = _PREFIX + "at-check/"  # + "<check>/<rank>": "<count> <crc>", posted before each check
-_VERDICT = _PREFIX + "verdict/"  # + "<check>": the DivergenceError message (the first posted wins)
-_WAITING = _PREFIX + "waiting/"  # + "<check>/<rank>": "<index> <collective>" while a host wait is long
-_checks = 0  # divergence checks this process has started
-_check_groups: dict[tuple[int, ...], CheckGroup] = {}
-_waiting: tuple[int, str, float] | None = None  # the host wait in progress: (index, collective, since)
-_wait_published = False  # ... and it is posted in the store (removed when it ends)
-_timeout_s = 300.0
-_issued = 0  # fullshard collectives this process has issued
-_heartbeat: threading.Thread | None = None
-_schedule: list[str] = []  # this iteration's fullshard collectives, see [Note: Divergence check]
-_schedule_crc = 0
-_raised: set[str] = set()  # DivergenceError messages this process raised (a posted one is news only once)
-_prechecked: dict[dist.ProcessGroup, CheckGroup] = {}  # gloo groups whose collectives may be compared first
 KNOWN_SCHEDULES = 4
-_known: list[tuple[str, ...]] = []  # distinct schedules end checks found identical on every rank, newest last
-_candidates: list[tuple[str, ...]] = []  # the known schedules this iteration has followed so far
-_BEFORE, _END = 0, 1  # what a check compares: the next collective, or the whole iteration
+_BEFORE, _END = 0, 1  # what a row compares: the next collective, or the whole segment
+_timeout_s = 300.0  # a process-wide setting, like init_process_group's timeout
+_monitor_numbers = itertools.count()  # roots are initialised in one order on every rank: their store keys agree
 
 
 class DivergenceError(RuntimeError):
@@ -141,243 +135,9 @@ def collective_timeout() -> float:
     return _timeout_s
 
 
-def issued(kind: str, label: str, numel: int, group: dist.ProcessGroup | None = None) -> int:
-    """Count one fullshard collective (published by the heartbeat) and add it to this iteration's schedule;
-    return its index there. Call it before issuing the collective on ``group``: on gloo groups the ranks
-    compare it first and raise ``DivergenceError`` when it differs ([Note: Divergence check])."""
-    global _issued, _schedule_crc, _candidates
-    _issued += 1
-    entry = f"{kind} of group {label!r} ({numel} elements)"
-    _schedule.append(entry)
-    data = entry.encode()
-    _schedule_crc = zlib.crc32(data, _schedule_crc)
-    index = len(_schedule) - 1
-    check = _prechecked.get(group) if group is not None else None
-    if check is not None:
-        following = [known for known in _candidates if index < len(known) and known[index] == entry]
-        if len(following) != len(_candidates) or not following:  # the known schedules branch here, or none is left
-            _compare(check, (_BEFORE, index, zlib.crc32(data)), list(_schedule), index, f"the check before the {entry}")
-        _candidates = following
-    return index
-
-
-def new_iteration() -> None:
-    global _schedule_crc, _candidates
-    _schedule.clear()
-    _schedule_crc = 0
-    _candidates = list(_known)
-
-
-@dataclass(frozen=True)
-class CheckGroup:
-    """The ranks of a shard group and a gloo backend of their own for the divergence check."""
-
-    group: dist.ProcessGroup  # the shard group it mirrors (for diagnostics)
-    ranks: tuple[int, ...]
-    backend: Any  # ProcessGroupGloo
-
-
-def check_group(group: dist.ProcessGroup | None) -> CheckGroup | None:
-    """A gloo backend over the ranks of ``group`` for the divergence check alone (one per rank set).
-
-    gloo also under NCCL: the check compares what the host issued, so it needs no device work and no
-    device sync, and it completes even when mismatched NCCL collectives hang on the device. Built on the
-    default store under a key of its own per restart (torchrun keeps its store across restarts, where
-    ``dist.new_group`` finds the previous attempt's addresses). Collective over the ranks of ``group``
-    (at lazy init, which every rank runs at its first forward).
-    """
-    store = _store()
-    if store is None or group is None or dist.get_backend(group) == "fake" or dist.get_world_size(group) == 1:
-        return None
-    ranks = tuple(dist.get_process_group_ranks(group))
-    if ranks not in _check_groups:
-        prefix = f"{_PREFIX}check-group/{zlib.crc32(str(ranks).encode()):08x}/"
-        backend = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), ranks.index(dist.get_rank()), len(ranks),
-                                        datetime.timedelta(seconds=_timeout_s))
-        _check_groups[ranks] = CheckGroup(group, ranks, backend)
-    return _check_groups[ranks]
-
-
-def _all_gather(check: CheckGroup, values: torch.Tensor, what: str, index: int) -> torch.Tensor:
-    out = torch.empty(len(check.ranks) * values.numel(), dtype=values.dtype)
-    wait(check.backend._allgather_base(out, values), what, check.group, index)
-    return out.view(len(check.ranks), -1)
-
-
-def check_groups(groups: list[dist.ProcessGroup | None]) -> CheckGroup | None:
-    """Build the check backends of ``groups`` (collective over each group's ranks: lazy init, which every rank
-    runs at its first forward); collectives on the gloo ones may be compared before they go out ([Note:
-    Divergence check]). Returns the first group's, where the end of backward compares the schedules."""
-    unique = {id(g): g for g in groups if g is not None and dist.get_backend(g) != "fake"}
-    # One creation order on every rank (sorted rank sets), so creations that wait on each other never cycle.
-    for g in sorted(unique.values(), key=lambda g: tuple(dist.get_process_group_ranks(g))):
-        check = check_group(g)
-        if check is not None and dist.get_backend(g) == "gloo":
-            _prechecked[g] = check
-    return check_group(groups[0]) if groups else None
-
-
-def check_schedule(check: CheckGroup) -> None:
-    """Collective over the check group's ranks: raise ``DivergenceError`` on every rank if this
-    iteration's collectives differ between ranks."""
-    global _checks
-    entries, crc = list(_schedule), _schedule_crc
-    new_iteration()
-    number, _checks = _checks, _checks + 1
-    store = _store()
-    if store is not None:
-        store.set(f"{_AT_CHECK}{number}/{dist.get_rank()}", f"{len(entries)} {crc}")
-    _compare(check, (_END, len(entries), crc), entries, -1, "the divergence check")
-    verified = tuple(entries)
-    if verified in _known:
-        _known.remove(verified)
-    _known.append(verified)
-    del _known[:-KNOWN_SCHEDULES]
-
-
-def _compare(check: CheckGroup, row: tuple[int, int, int], entries: list[str], index: int, what: str) -> None:
-    """All-gather ``row`` (what this rank is about to do) over the check group; when the ranks' rows differ,
-    exchange the schedules (padded to the longest) so every rank raises the same ``DivergenceError``."""
-    values = _all_gather(check, torch.tensor(row, dtype=torch.int64), what, index).tolist()
-    if all(v == values[0] for v in values):
-        return
-    _known.clear()
-    new_iteration()
-    data = torch.frombuffer(bytearray(json.dumps(entries).encode()), dtype=torch.uint8)
-    sizes = _all_gather(check, torch.tensor([data.numel()]), what, -1).view(-1).tolist()
-    padded = torch.zeros(max(sizes), dtype=torch.uint8)
-    padded[: data.numel()] = data
-    rows = _all_gather(check, padded, what, -1)
-    schedules = [json.loads(bytes(row[:n].tolist()).decode()) for row, n in zip(rows, sizes)]
-    raise diverged(_difference(list(check.ranks), schedules, before=any(v[0] == _BEFORE for v in values)), index)
-
-
-def _difference(ranks: list[int], schedules: list[list[str]], before: bool) -> str:
-    first = next((i for i in range(max(map(len, schedules))) if len({tuple(s[i:i + 1]) for s in schedules}) > 1), 0)
-    seen: dict[str, list[int]] = {}
-    for rank, schedule in zip(ranks, schedules):
-        seen.setdefault(schedule[first] if first < len(schedule) else "nothing", []).append(rank)
-    what = "; ".join(f"{entry} on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}" for entry, r in seen.items())
-    counts = ", ".join(f"rank {rank}: {len(s)}" for rank, s in zip(ranks, schedules))
-    when = ("found before the collective went out: no data was mixed" if before else
-            "data of different parameters may have been mixed; raised before the optimizer step")
-    return (
-        f"fullshard: ranks ran different code in this iteration, so their collectives no longer match ("
-        f"{when}): collective #{first + 1} was "
-        f"{what}. Collectives this iteration: {counts}. Run the same modules the same number of times on every rank "
-        f"(conditional compute must be decided identically on all ranks, e.g. from a broadcast value)."
-    )
-
-
-class _Watch:
-    """One long host wait's view of the store ([Note: Divergence check]); ``index`` -1: the check itself."""
-
-    def __init__(self, group: dist.ProcessGroup | None, index: int) -> None:
-        self.store = _store()
-        self.ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-        self.index = index
-        self.check = _checks - 1 if index < 0 else _checks
-        self.suspects: set[tuple[int, str]] = set()
-
-    def look(self) -> None:
-        """Raise the posted verdict, or post one if a peer finished with fewer collectives or waits in another."""
-        store = self.store
-        if store is None:
-            return
-        verdict = _posted_verdict(self.index)
-        if verdict is not None:
-            raise diverged(verdict, self.index)
-        if self.index < 0:
-            return
-        me, mine = dist.get_rank(), _schedule[self.index]
-        _publish_wait(store, self.index, mine)
-        found: set[tuple[int, str]] = set()
-        for rank in self.ranks:
-            if rank == me:
-                continue
-            done_key, waiting_key = f"{_AT_CHECK}{self.check}/{rank}", f"{_WAITING}{self.check}/{rank}"
-            if store.check([done_key]) and int(store.get(done_key).decode().split()[0]) <= self.index:
-                count = int(store.get(done_key).decode().split()[0])
-                self._raise(f"rank {rank} finished its backward after {count} collectives, while rank "
-                                         f"{me} waits in #{self.index + 1}, {mine}")
-            if store.check([waiting_key]):
-                text, entry = store.get(waiting_key).decode().split(" ", 1)
-                index = int(text)
-                # A peer legitimately waits in an earlier collective of the same list (a third rank is slow);
-                # one past this rank's list is for that peer to judge.
-                if index < len(_schedule) and _schedule[index] != entry:
-                    found.add((rank, f"#{index + 1}, {entry}" + ("" if index == self.index else
-                                                                   f" (rank {me} issued {_schedule[index]} there)")))
-        # A peer's wait may have just ended (its key not yet removed): believe what two looks agree on.
-        agreed = found & self.suspects
-        self.suspects = found
-        if agreed:
-            rank, theirs = min(agreed)
-            self._raise(f"rank {me} waits in collective #{self.index + 1}, {mine}, while rank {rank} "
-                                     f"waits in {theirs}")
-
-    def _raise(self, what: str) -> None:
-        message = (
-            f"fullshard: ranks ran different code in this iteration, so their collectives no longer match: {what}. "
-            f"Run the same modules the same number of times on every rank (conditional compute must be decided "
-            f"identically on all ranks, e.g. from a broadcast value)."
-        )
-        raise diverged(message, self.index)
-
-
-def _verdict_key(index: int) -> str:
-    """The verdict of this iteration's check (``index`` -1: the check in progress, already counted)."""
-    return f"{_VERDICT}{_checks - 1 if index < 0 else _checks}"
-
-
-def diverged(message: str, index: int) -> DivergenceError:
-    """The error to raise; posted in the store, where the waits of ranks that did not take part in the
-    comparison (other groups of an HSDP mesh, peers of a rank that left) find it and raise it too. When two
-    ranks find a difference at once, the first posted wins: every rank raises the same message."""
-    store = _store()
-    if store is not None:
-        try:
-            message = store.compare_set(_verdict_key(index), "", message).decode()
-            # Wait (bounded) until every rank has it too: the store may live in this process (rank 0 of a
-            # local launch), and ranks that are still computing read it at their next wait.
-            seen = f"{_PREFIX}seen/{zlib.crc32(message.encode()):08x}/"
-            store.set(f"{seen}{dist.get_rank()}", "1")
-            everyone = [f"{seen}{rank}" for rank in range(dist.get_world_size())]
-            deadline = time.monotonic() + 2.5 * POLL_S
-            while not store.check(everyone) and time.monotonic() < deadline:
-                time.sleep(0.05)
-        except Exception:  # the store is gone: the job is ending
-            pass
-    _raised.add(message)
-    return DivergenceError(message)
-
-
-def _posted_verdict(index: int) -> str | None:
-    store = _store()
-    try:
-        key = _verdict_key(index)
-        message = store.get(key).decode() if store is not None and store.check([key]) else None
-    except Exception:  # the store is gone
-        return None
-    return None if message in _raised else message
-
-
-def _publish_wait(store: Any, index: int, collective: str) -> None:
-    global _wait_published
-    _wait_published = True
-    store.set(f"{_WAITING}{_checks}/{dist.get_rank()}", f"{index} {collective}")
-
-
-def _unpublish_wait() -> None:
-    global _wait_published
-    store = _store() if _wait_published else None
-    _wait_published = False
-    if store is None:
-        return
-    try:
-        store.delete_key(f"{_WAITING}{_checks}/{dist.get_rank()}")
-    except Exception:  # the store is gone: the job is ending
-        pass
+def _prefix() -> str:
+    # Per torchrun attempt: torchrun keeps its store across restarts.
+    return f"fullshard/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
 
 
 def _store() -> Any:
@@ -389,88 +149,398 @@ def _store() -> Any:
         return None
 
 
-def start_heartbeat() -> None:
-    """Publish this rank's heartbeat from a daemon thread (once per process; no-op without a store)."""
-    global _heartbeat
-    if _heartbeat is not None and _heartbeat.is_alive():
-        return
-    store = _store()
-    if store is None:
-        return
-    key = f"{_KEY}{dist.get_rank()}"
+@dataclass(eq=False)
+class Track:
+    """The collectives issued over one rank set since its last end check ([Note: Divergence check])."""
 
-    def beat() -> None:
-        count = 0
-        published = None
-        while True:
+    ranks: tuple[int, ...]
+    group: dist.ProcessGroup  # a fullshard group over these ranks (for the wait's backend and diagnostics)
+    backend: Any  # the gloo backend the comparisons run on
+    precheck: bool  # the group is gloo: compare before a collective goes out
+    key: str  # store prefix of this track's keys
+    entries: list[str] = field(default_factory=list)
+    crc: int = 0
+    checks: int = 0  # end checks done; numbers the current segment
+    known: list[tuple[str, ...]] = field(default_factory=list)  # verified lists, newest last
+    candidates: list[tuple[str, ...]] = field(default_factory=list)  # known lists this segment has followed
+
+    def restart(self) -> None:
+        self.entries = []
+        self.crc = 0
+        self.candidates = list(self.known)
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """What a host wait is for, so a long one can say it in the store and look at the peers'."""
+
+    monitor: Monitor
+    track: Track
+    kind: Literal["collective", "before", "end"]  # a collective, the check before it, an end check
+    index: int  # the collective's place in the segment; for an end check, the segment's length
+
+
+class Monitor:
+    """One root's divergence checks and host-wait watch ([Note: Divergence check]); no-op without a store."""
+
+    def __init__(self, groups: list[dist.ProcessGroup | None]) -> None:
+        self.store = _store()
+        self.number = next(_monitor_numbers)
+        self.key = f"{_prefix()}m{self.number}/"
+        self.tracks: dict[dist.ProcessGroup, Track | None] = {}
+        self.forward_open = False  # a root forward ran since the last end of backward
+        self.waiting: tuple[Ticket, float] | None = None  # the host wait in progress, since when
+        self.published: set[Track] = set()  # tracks with a wait posted in the store (removed when it ends)
+        self.raised: set[str] = set()  # verdicts this monitor raised (a posted one is news only once)
+        if self.store is None:
+            return
+        unique = {id(g): g for g in groups if g is not None and dist.get_backend(g) != "fake"}
+        by_ranks: dict[tuple[int, ...], Track] = {}
+        # One creation order on every rank (sorted rank sets), so creations that wait on each other never cycle.
+        for g in sorted(unique.values(), key=lambda g: tuple(dist.get_process_group_ranks(g))):
+            ranks = tuple(dist.get_process_group_ranks(g))
+            if len(ranks) == 1:
+                continue
+            if ranks not in by_ranks:
+                key = f"{self.key}t{zlib.crc32(str(ranks).encode()):08x}/"
+                backend = dist.ProcessGroupGloo(dist.PrefixStore(key + "pg/", self.store), ranks.index(dist.get_rank()),
+                                                len(ranks), datetime.timedelta(seconds=_timeout_s))
+                by_ranks[ranks] = Track(ranks, g, backend, False, key)
+            # Two groups over one rank set share a track (their collectives interleave alike on every rank),
+            # which compares before a collective when any of them is gloo.
+            by_ranks[ranks].precheck |= dist.get_backend(g) == "gloo"
+        for g in unique.values():
+            ranks = tuple(dist.get_process_group_ranks(g))
+            if ranks in by_ranks:
+                self.tracks[g] = by_ranks[ranks]
+        _heartbeat.watch(self)
+
+    def close(self) -> None:
+        """Drop the check backends (this root was replaced by an enclosing one, or the process group is going)."""
+        for track in {t for t in self.tracks.values() if t is not None}:
+            try:
+                track.backend.shutdown()
+            except RuntimeError:
+                pass
+        self.tracks = {}
+
+    # ---- recording -------------------------------------------------------------------------------------
+
+    def issued(self, kind: str, label: str, numel: int, group: dist.ProcessGroup | None) -> Ticket | None:
+        """Add one collective to its track; on gloo compare it with the peers first where the known lists do
+        not say it comes next. Call before issuing it on ``group``."""
+        _heartbeat.issued += 1
+        if group is None or self.store is None:
+            return None
+        if group not in self.tracks:  # a group made after lazy init (a separate reduce-scatter group)
+            ranks = tuple(dist.get_process_group_ranks(group))
+            self.tracks[group] = next((t for t in self.tracks.values() if t is not None and t.ranks == ranks), None)
+        track = self.tracks[group]
+        if track is None:
+            return None
+        entry = f"{kind} of group {label!r} ({numel} elements)"
+        data = entry.encode()
+        track.entries.append(entry)
+        track.crc = zlib.crc32(data, track.crc)
+        index = len(track.entries) - 1
+        if track.precheck:
+            following = [known for known in track.candidates if index < len(known) and known[index] == entry]
+            if len(following) != len(track.candidates) or not following:  # known lists branch, or none is left
+                self._compare(Ticket(self, track, "before", index), (_BEFORE, index, zlib.crc32(data)),
+                              f"the check before the {entry}")
+            track.candidates = following
+        return Ticket(self, track, "collective", index)
+
+    def root_forward(self) -> None:
+        """The root's pre-forward: a forward since the last end check ran without backward, so end its segments."""
+        if self.forward_open:
+            self._end_segments()
+        self.forward_open = True
+
+    def end_backward(self) -> None:
+        self._end_segments()
+        self.forward_open = False
+
+    def _end_segments(self) -> None:
+        for track in dict.fromkeys(self.tracks.values()):
+            if track is not None and track.entries:
+                self._end_check(track)
+
+    def _end_check(self, track: Track) -> None:
+        """Collective over the track's ranks: raise ``DivergenceError`` on every one of them if their lists
+        differ; otherwise the list is known and a new segment starts."""
+        entries, crc = track.entries, track.crc
+        self._compare(Ticket(self, track, "end", len(entries)), (_END, len(entries), crc), "the divergence check")
+        verified = tuple(entries)
+        if verified in track.known:
+            track.known.remove(verified)
+        track.known.append(verified)
+        del track.known[:-KNOWN_SCHEDULES]
+        track.checks += 1
+        track.restart()
+
+    # ---- comparing -------------------------------------------------------------------------------------
+
+    def _all_gather(self, ticket: Ticket, values: torch.Tensor, what: str) -> torch.Tensor:
+        track = ticket.track
+        out = torch.empty(len(track.ranks) * values.numel(), dtype=values.dtype)
+        wait(track.backend._allgather_base(out, values), what, track.group, ticket)
+        return out.view(len(track.ranks), -1)
+
+    def _compare(self, ticket: Ticket, row: tuple[int, int, int], what: str) -> None:
+        """All-gather ``row`` (what this rank is about to do) over the track; when the ranks' rows differ,
+        exchange the lists (padded to the longest) so every rank raises the same ``DivergenceError``."""
+        track = ticket.track
+        values = self._all_gather(ticket, torch.tensor(row, dtype=torch.int64), what).tolist()
+        if all(v == values[0] for v in values):
+            return
+        entries = list(track.entries)
+        track.known.clear()
+        track.restart()
+        data = torch.frombuffer(bytearray(json.dumps(entries).encode()), dtype=torch.uint8)
+        exchange = Ticket(self, track, "end", -1)  # the peers compare with nothing while the lists go round
+        sizes = self._all_gather(exchange, torch.tensor([data.numel()]), what).view(-1).tolist()
+        padded = torch.zeros(max(sizes), dtype=torch.uint8)
+        padded[: data.numel()] = data
+        rows = self._all_gather(exchange, padded, what)
+        lists = [json.loads(bytes(r[:n].tolist()).decode()) for r, n in zip(rows, sizes)]
+        raise self.diverged(_difference(list(track.ranks), lists, before=any(v[0] == _BEFORE for v in values)))
+
+    # ---- verdicts --------------------------------------------------------------------------------------
+
+    def diverged(self, message: str) -> DivergenceError:
+        """The error to raise; posted in the store, where the waits of ranks that did not take part in the
+        comparison (other groups of an HSDP mesh, peers of a rank that left) find it and raise it too. When
+        two ranks find a difference at once, the first posted wins: every rank raises the same message."""
+        store = self.store
+        if store is not None:
+            try:
+                message = store.compare_set(f"{self.key}verdict", "", message).decode()
+                # Wait (bounded) until every rank has it too: the store may live in this process (rank 0 of a
+                # local launch), and ranks that are still computing read it at their next wait.
+                seen = f"{self.key}seen/"
+                store.set(f"{seen}{dist.get_rank()}", f"{zlib.crc32(message.encode())}")
+                everyone = [f"{seen}{rank}" for rank in range(dist.get_world_size())]
+                deadline = time.monotonic() + 2.5 * POLL_S
+                while not store.check(everyone) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            except Exception:  # the store is gone: the job is ending
+                pass
+        self.raised.add(message)
+        return DivergenceError(message)
+
+    def posted_verdict(self) -> str | None:
+        try:
+            key = f"{self.key}verdict"
+            message = self.store.get(key).decode() if self.store is not None and self.store.check([key]) else None
+        except Exception:  # the store is gone
+            return None
+        return None if message in self.raised else message
+
+    def publish_wait(self, ticket: Ticket) -> None:
+        """Say in the store where this rank waits: in collective #index (or the check before it), or in the
+        end check of a segment of ``index`` collectives."""
+        track, rank = ticket.track, dist.get_rank()
+        if ticket.kind == "end":
+            if ticket.index >= 0:
+                self.store.set(f"{track.key}done/{rank}", f"{track.checks} {ticket.index}")
+            return
+        self.published.add(track)
+        self.store.set(f"{track.key}wait/{rank}", f"{track.checks} {ticket.index} {track.entries[ticket.index]}")
+
+    def unpublish_wait(self, track: Track) -> None:
+        if track not in self.published:
+            return
+        self.published.discard(track)
+        try:
+            self.store.delete_key(f"{track.key}wait/{dist.get_rank()}")
+        except Exception:  # the store is gone: the job is ending
+            pass
+
+    def look(self, ticket: Ticket, suspects: set[tuple[int, str]]) -> set[tuple[int, str]]:
+        """One look at the store during a long wait: raise the posted verdict, or post one when a peer finished
+        this segment with fewer collectives or waits in another collective at the same place. Returns the
+        differences seen, for the next look to confirm."""
+        verdict = self.posted_verdict()
+        if verdict is not None:
+            raise self.diverged(verdict)
+        if self.store is None:
+            return set()
+        self.publish_wait(ticket)
+        if ticket.kind == "end":
+            return set()
+        track, index, store, me = ticket.track, ticket.index, self.store, dist.get_rank()
+        mine = track.entries[index]
+        found: set[tuple[int, str]] = set()
+        for rank in track.ranks:
+            if rank == me:
+                continue
+            done_key, waiting_key = f"{track.key}done/{rank}", f"{track.key}wait/{rank}"
+            if store.check([done_key]):
+                checks, count = map(int, store.get(done_key).decode().split())
+                if checks == track.checks and count <= index:
+                    self._raise(f"rank {rank} finished its iteration after {count} collectives, while rank {me} "
+                                f"waits in #{index + 1}, {mine}")
+            if store.check([waiting_key]):
+                checks_text, index_text, entry = store.get(waiting_key).decode().split(" ", 2)
+                theirs = int(index_text)
+                # A peer legitimately waits in an earlier collective of the same list (a third rank is slow);
+                # one past this rank's list is for that peer to judge.
+                if int(checks_text) == track.checks and theirs < len(track.entries) and track.entries[theirs] != entry:
+                    found.add((rank, f"#{theirs + 1}, {entry}" + ("" if theirs == index else
+                                                                  f" (rank {me} issued {track.entries[theirs]} there)")))
+        # A peer's wait may have just ended (its key not yet removed): believe what two looks agree on.
+        agreed = found & suspects
+        if agreed:
+            peer, where = min(agreed)
+            self._raise(f"rank {me} waits in collective #{index + 1}, {mine}, while rank {peer} waits in {where}")
+        return found
+
+    def _raise(self, what: str) -> None:
+        raise self.diverged(
+            f"fullshard: ranks ran different code in this iteration, so their collectives no longer match: {what}. "
+            f"Run the same modules the same number of times on every rank (conditional compute must be decided "
+            f"identically on all ranks, e.g. from a broadcast value)."
+        )
+
+
+def _difference(ranks: list[int], lists: list[list[str]], before: bool) -> str:
+    first = next((i for i in range(max(map(len, lists))) if len({tuple(s[i:i + 1]) for s in lists}) > 1), 0)
+    seen: dict[str, list[int]] = {}
+    for rank, entries in zip(ranks, lists):
+        seen.setdefault(entries[first] if first < len(entries) else "nothing", []).append(rank)
+    what = "; ".join(f"{entry} on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}" for entry, r in seen.items())
+    counts = ", ".join(f"rank {rank}: {len(s)}" for rank, s in zip(ranks, lists))
+    when = ("found before the collective went out: no data was mixed" if before else
+            "data of different parameters may have been mixed; raised before the optimizer step")
+    return (
+        f"fullshard: ranks ran different code in this iteration, so their collectives no longer match ("
+        f"{when}): collective #{first + 1} was "
+        f"{what}. Collectives this iteration: {counts}. Run the same modules the same number of times on every rank "
+        f"(conditional compute must be decided identically on all ranks, e.g. from a broadcast value)."
+    )
+
+
+class Heartbeat:
+    """This process's heartbeat in the store: one daemon thread, one key per rank ([Note: Failure detection]).
+
+    Per process, not per root: a rank's liveness is its process's. It also posts the long waits of every
+    live monitor, since a wait that ignores its timeout (gloo's reduce-scatter) cannot look itself.
+    """
+
+    def __init__(self) -> None:
+        self.issued = 0  # fullshard collectives this process has issued
+        self._thread: threading.Thread | None = None
+        self._store: Any = None  # the store the thread writes to
+        self._stop = threading.Event()
+        self._monitors: weakref.WeakSet[Monitor] = weakref.WeakSet()
+
+    def watch(self, monitor: Monitor) -> None:
+        self._monitors.add(monitor)
+        store = monitor.store
+        if self.running and self._store is store:
+            return
+        self._stop.set()  # a thread of an earlier process group ends at its next beat
+        self._store = store
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, args=(store, self._stop, dist.get_rank()),
+                                         name="fullshard-heartbeat", daemon=True)
+        self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _beat(self, store: Any, stop: threading.Event, rank: int) -> None:
+        key, count = f"{_prefix()}heartbeat/{rank}", 0
+        published: dict[Monitor, tuple[Ticket, float]] = {}
+        while not stop.is_set():
+            if not dist.is_initialized() or _store() is not store:  # destroy_process_group(): stop with it
+                return
             count += 1
             try:
-                store.set(key, f"{count} {_issued}")
-                # A wait that ignores its timeout (gloo's reduce-scatter) cannot look itself: say where it is.
-                waiting = _waiting
-                if waiting is not None and waiting != published and time.monotonic() - waiting[2] > POLL_S:
-                    _publish_wait(store, waiting[0], waiting[1])
-                    published = waiting
+                store.set(key, f"{count} {self.issued}")
+                for monitor in list(self._monitors):
+                    waiting = monitor.waiting
+                    if waiting is not None and waiting is not published.get(monitor) and \
+                            time.monotonic() - waiting[1] > POLL_S:
+                        monitor.publish_wait(waiting[0])
+                        published[monitor] = waiting
             except Exception:  # the store is gone: the job is ending
                 return
-            time.sleep(HEARTBEAT_S)
+            stop.wait(HEARTBEAT_S)
 
-    _heartbeat = threading.Thread(target=beat, name="fullshard-heartbeat", daemon=True)
-    _heartbeat.start()
+    def stop(self) -> None:
+        """Stop the thread and wait for it (at interpreter exit: no thread may touch the store while it goes)."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * HEARTBEAT_S)
+        self._thread = None
 
-
-def _read(store: Any, ranks: list[int]) -> dict[int, tuple[int, int] | None]:
-    beats: dict[int, tuple[int, int] | None] = {}
-    for rank in ranks:
-        try:
-            if store.check([f"{_KEY}{rank}"]):
-                count, done = store.get(f"{_KEY}{rank}").decode().split()
-                beats[rank] = (int(count), int(done))
-            else:
+    def read(self, store: Any, ranks: list[int]) -> dict[int, tuple[int, int] | None]:
+        beats: dict[int, tuple[int, int] | None] = {}
+        for rank in ranks:
+            try:
+                key = f"{_prefix()}heartbeat/{rank}"
+                if store.check([key]):
+                    count, done = store.get(key).decode().split()
+                    beats[rank] = (int(count), int(done))
+                else:
+                    beats[rank] = None
+            except Exception:
                 beats[rank] = None
-        except Exception:
-            beats[rank] = None
-    return beats
+        return beats
+
+
+_heartbeat = Heartbeat()  # one per process: see its docstring
+
+
+def _at_exit() -> None:
+    _heartbeat.stop()
+    for monitor in list(_heartbeat._monitors):
+        monitor.close()
+
+
+atexit.register(_at_exit)
 
 
 def diagnose(group: dist.ProcessGroup | None) -> tuple[list[int], list[int], str]:
     """(dead ranks, ranks behind this one, a sentence) for the ranks of ``group``; takes about 3 heartbeats."""
     store = _store()
-    if store is None or _heartbeat is None:
+    if store is None or not _heartbeat.running:
         return [], [], "a peer rank failed (no store to tell which)"
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     me = dist.get_rank()
     others = [r for r in ranks if r != me]
-    first = _read(store, others)
+    first = _heartbeat.read(store, others)
     time.sleep(2.5 * HEARTBEAT_S)
-    second = _read(store, others)
+    second = _heartbeat.read(store, others)
     dead = [r for r in others if second[r] is None or first[r] is not None and second[r] == first[r]]
-    behind = [r for r in others if r not in dead and (beat := second[r]) is not None and beat[1] < _issued]
+    behind = [r for r in others if r not in dead and (beat := second[r]) is not None and beat[1] < _heartbeat.issued]
     parts = []
     if dead:
         parts.append(f"rank{'s' if len(dead) > 1 else ''} {', '.join(map(str, dead))} stopped (died or was killed)")
     if behind:
         parts.append(
             f"rank{'s' if len(behind) > 1 else ''} {', '.join(map(str, behind))} issued fewer fullshard collectives "
-            f"than rank {me} ({_issued}): stuck, or running other code"
+            f"than rank {me} ({_heartbeat.issued}): stuck, or running other code"
         )
     if not parts:
         parts.append("every peer is alive and issued as many collectives: a collective outside fullshard is waiting")
     return dead, behind, "; ".join(parts)
 
 
-def wait(work: dist.Work, what: str, group: dist.ProcessGroup | None, index: int) -> None:
+def wait(work: dist.Work, what: str, group: dist.ProcessGroup | None, ticket: Ticket | None) -> None:
     """``work.wait()`` bounded by the collective timeout; failures become ``RankFailureError`` naming the rank,
-    and collectives that do not match across ranks ``DivergenceError`` (see the Notes). ``index``: the
-    collective's place in this iteration's schedule (-1: the divergence check)."""
-    global _waiting
+    and collectives that do not match across ranks ``DivergenceError`` (see the Notes)."""
     if dist.get_backend(group) != "gloo":  # other host-blocking backends (test ones) may not take a timeout
         work.wait()
         return
     deadline = time.monotonic() + _timeout_s
-    watch: _Watch | None = None
-    if index >= 0 and index < len(_schedule):
-        _waiting = (index, _schedule[index], time.monotonic())
+    monitor = ticket.monitor if ticket is not None and ticket.monitor.store is not None else None
+    if monitor is not None and ticket is not None:
+        monitor.waiting = (ticket, time.monotonic())
+    suspects: set[tuple[int, str]] = set()
     try:
         while True:
             left = deadline - time.monotonic()
@@ -480,19 +550,20 @@ def wait(work: dist.Work, what: str, group: dist.ProcessGroup | None, index: int
             except RuntimeError as err:
                 if "timed out" not in str(err).lower() or left <= POLL_S:
                     raise
-            watch = watch or _Watch(group, index)
-            watch.look()
+            if monitor is not None and ticket is not None:
+                suspects = monitor.look(ticket, suspects)
     except RuntimeError as err:
         if isinstance(err, DivergenceError):
             raise
-        verdict = _posted_verdict(index)  # posted before the peer's error, so before its connections closed
-        if verdict is not None:  # a peer found the divergence, raised it and left
-            raise diverged(verdict, index) from err
+        verdict = monitor.posted_verdict() if monitor is not None else None
+        if verdict is not None and monitor is not None:  # a peer found the divergence, raised it and left
+            raise monitor.diverged(verdict) from err
         timed_out = "timed out" in str(err).lower()
         dead, behind, sentence = diagnose(group)
         cause = f"did not complete within {_timeout_s:g} s" if timed_out else "failed"
         raise RankFailureError(f"fullshard: {what} on rank {dist.get_rank()} {cause}: {sentence}",
                                tuple(dead or behind)) from err
     finally:
-        _waiting = None
-        _unpublish_wait()
+        if monitor is not None and ticket is not None:
+            monitor.waiting = None
+            monitor.unpublish_wait(ticket.track)

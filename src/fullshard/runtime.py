@@ -128,13 +128,13 @@ class IterationContext:
         self.forward_prefetch_depth = 1
         self.backward_prefetch_depth = 1
         self.backward_prefetch_mode = BackwardPrefetchMode.PRE
-        # Where the end of backward compares the ranks' collectives ([Note: Divergence check] in failures.py).
+        # The ranks compare their collectives per group ([Note: Divergence check] in failures.py).
         groups = [state.group for state in states if state.group is not None]
-        self.check_group = failures.check_groups(
-            [g.mesh_info.shard_group or g.mesh_info.replicate_group for g in groups[:1]]
-            + [pg for g in groups for pg in (g.mesh_info.shard_group, g.mesh_info.replicate_group,
-                                             g.post_forward.group if g.post_forward is not None else None)]
+        self.monitor = failures.Monitor(
+            [pg for g in groups for pg in (g.mesh_info.shard_group, g.mesh_info.replicate_group,
+                                           g.post_forward.group if g.post_forward is not None else None)]
         )
+        streams.monitor = self.monitor
 
     def start_forward(self) -> None:
         """The root's pre-forward: a new iteration's order begins."""
@@ -212,8 +212,7 @@ class IterationContext:
             self.streams.host_wait(self.streams.h2d_done)  # the optimizer may write the pinned shards next
             self.streams.shards_written()
             self.end_of_backward_queued = False
-            if self.check_group is not None:
-                failures.check_schedule(self.check_group)
+            self.monitor.end_backward()
 
     def drain_reduces(self) -> None:
         """Complete every reduction in flight: first let every reduce-scatter finish (CPU: issues the
@@ -352,7 +351,6 @@ class HookState:
                     p.fqn = f"{prefix}.{p.sites[0].name}" if prefix else p.sites[0].name
         _check_no_shared_originals(states)
         _take_over_late_ties(states, module_names)
-        failures.start_heartbeat()
         for state in states:
             if state.group is not None:
                 state.group.adopt_reassigned()
@@ -384,7 +382,7 @@ class HookState:
         if self.is_root:
             if ctx.needs_recovery():
                 ctx.recover()
-            failures.new_iteration()
+            ctx.monitor.root_forward()
             ctx.start_forward()
             self.streams.shards_written(ctx.post_optim_event)  # the optimizer step (or the given event) came last
             ctx.post_optim_event = None
