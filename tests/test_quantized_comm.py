@@ -97,3 +97,38 @@ def _bad(rank: int, world_size: int) -> None:
 
 def test_bad_comm_policy() -> None:
     run_ranks(4, _bad)
+
+
+class _WithEmptyGroup(torch.nn.Module):
+    """Two linear layers around a module whose only parameter has zero elements (its own group)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(7, 5)
+        self.empty = torch.nn.Module()
+        self.empty.register_parameter("weight", torch.nn.Parameter(torch.zeros(0, 3)))
+        self.empty.forward = lambda x: x + self.empty.weight.sum()  # type: ignore[method-assign]
+        self.b = torch.nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.empty(torch.tanh(self.a(x))))
+
+
+def _zero_element_group(rank: int, world_size: int) -> None:
+    """A quantized group whose only parameter has zero elements: its empty packed all-gather unpacks to an empty
+    tensor (the empty row had a stride no dtype view accepts: RuntimeError at the first forward)."""
+    from tests.models import mse_loss
+    from tests.parity import assert_parity, random_batches, regression_batch
+
+    batches = random_batches(3, world_size, regression_batch)
+    torch.manual_seed(0)
+    sharded = _WithEmptyGroup()
+    for module in (sharded.a, sharded.empty, sharded.b, sharded):
+        fully_shard(module, comm_policy=QuantizedCommPolicy(block_size=16))
+    trace = train(sharded, batches, mse_loss, rank=rank)
+    torch.manual_seed(0)
+    assert_parity(train(_WithEmptyGroup(), batches, mse_loss, rank=None), trace, rank, rtol=0, atol=3e-2)
+
+
+def test_zero_element_group_with_quantized_comm() -> None:
+    run_ranks(2, _zero_element_group)

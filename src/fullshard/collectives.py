@@ -283,7 +283,9 @@ def all_gather_packed(
 def unpack(output: torch.Tensor, parts: tuple[tuple[int, int, torch.dtype], ...], world_size: int) -> list[torch.Tensor]:
     """Every packed tensor of every rank from a packed all-gather's output, each ``(world_size, numel)``."""
     rank_major = output.view(world_size, -1)
-    return [rank_major[:, offset : offset + nbytes].contiguous().view(dtype) for offset, nbytes, dtype in parts]
+    # An empty part (a zero-element tensor) has no bytes to reinterpret: its column slice may have any stride.
+    return [rank_major[:, offset : offset + nbytes].contiguous().view(dtype) if nbytes else
+            rank_major.new_empty((world_size, 0), dtype=dtype) for offset, nbytes, dtype in parts]
 
 
 def reduce_scatter(

@@ -284,7 +284,7 @@ class Monitor:
     def _all_gather(self, ticket: Ticket, values: torch.Tensor, what: str) -> torch.Tensor:
         track = ticket.track
         out = torch.empty(len(track.ranks) * values.numel(), dtype=values.dtype)
-        wait(track.backend._allgather_base(out, values), what, track.group, ticket)
+        wait(track.backend._allgather_base(out, values), what, track.group, ticket, gloo=True)
         return out.view(len(track.ranks), -1)
 
     def _compare(self, ticket: Ticket, row: tuple[int, int, int], what: str) -> None:
@@ -530,10 +530,11 @@ def diagnose(group: dist.ProcessGroup | None) -> tuple[list[int], list[int], str
     return dead, behind, "; ".join(parts)
 
 
-def wait(work: dist.Work, what: str, group: dist.ProcessGroup | None, ticket: Ticket | None) -> None:
+def wait(work: dist.Work, what: str, group: dist.ProcessGroup | None, ticket: Ticket | None, gloo: bool = False) -> None:
     """``work.wait()`` bounded by the collective timeout; failures become ``RankFailureError`` naming the rank,
-    and collectives that do not match across ranks ``DivergenceError`` (see the Notes)."""
-    if dist.get_backend(group) != "gloo":  # other host-blocking backends (test ones) may not take a timeout
+    and collectives that do not match across ranks ``DivergenceError`` (see the Notes). ``gloo``: ``work`` is a
+    gloo collective whatever ``group``'s backend (the checks' own backends, also in NCCL jobs)."""
+    if not gloo and dist.get_backend(group) != "gloo":  # other host-blocking backends (test ones) may take no timeout
         work.wait()
         return
     deadline = time.monotonic() + _timeout_s
