@@ -99,3 +99,49 @@ def _no_sync_is_silent(rank: int, world_size: int) -> None:
 
 def test_no_sync_backward_issues_no_reduction() -> None:
     run_ranks(2, _no_sync_is_silent)
+
+
+class _TiedAfter(nn.Module):
+    """pre and post sharded apart and tied after every fully_shard call: the root, which holds no parameter of its
+    own, forms a group for the tied weight at lazy init."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = nn.Linear(6, 6, bias=False)
+        self.mid = nn.Linear(6, 6)
+        self.post = nn.Linear(6, 6, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.post(torch.tanh(self.mid(self.pre(x))))
+
+
+def _sync_set_before_lazy_init(rank: int, world_size: int) -> None:
+    """set_requires_gradient_sync(False) before the first forward also holds for the group the root forms at lazy
+    init (it was lost: the root group reduce-scattered in every no-sync backward, and on an HSDP mesh ranks that
+    had run a forward before the call all-reduced in another order than those that had not)."""
+    torch.manual_seed(0)
+    ref = _TiedAfter()
+    ref.post.weight = ref.pre.weight
+    torch.manual_seed(0)
+    model = _TiedAfter()
+    for module in (model.pre, model.mid, model.post, model):
+        fully_shard(module)
+    model.post.weight = model.pre.weight
+    gen = torch.Generator().manual_seed(1)
+    batches = [[torch.randn(3, 6, generator=gen) for _ in range(world_size)] for _ in range(2)]
+    rec = CommRecorder(model)
+    model.set_requires_gradient_sync(False)
+    model(batches[0][rank]).square().mean().backward()
+    assert rec.count("rs") == 0, rec.events
+    model.set_requires_gradient_sync(True)
+    model(batches[1][rank]).square().mean().backward()
+    assert rec.count("rs") == 2, rec.events  # mid's group and the root's (pre's and post's are empty)
+    rec.close()
+    for micro in batches:
+        sum(ref(x).square().mean() for x in micro).div(world_size).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), dict(ref.named_parameters())[name].grad, msg=name)
+
+
+def test_gradient_sync_set_before_lazy_init_holds_for_a_group_formed_there() -> None:
+    run_ranks(2, _sync_set_before_lazy_init)

@@ -640,7 +640,9 @@ class UnshardHandle(_TorchUnshardHandle):
 
 
 def _reduce_settings(module: nn.Module, recurse: bool) -> list[ReduceSettings]:
-    return [s.group.reducer.settings for s in states_in(module, recurse) if s.group is not None]
+    """The reduction settings of each state: its group's, or those a group formed later takes."""
+    return [s.group.reducer.settings if s.group is not None else s.settings_without_group
+            for s in states_in(module, recurse)]
 
 
 def _states_of(modules: list[FSDPModule]) -> list[HookState]:

@@ -60,7 +60,7 @@ from fullshard import failures
 from fullshard.collectives import CommStreams, profiled
 from fullshard.group import ParamGroup, ShardedState, group_of
 from fullshard.policy import MixedPrecisionPolicy
-from fullshard.reduce import PendingReduce
+from fullshard.reduce import PendingReduce, ReduceSettings
 
 log = logging.getLogger("fullshard")
 
@@ -308,6 +308,9 @@ class HookState:
         # Module calls of this iteration whose backward has not finished: the group is reduced
         # (once) when the last one finishes, or at the end of backward.
         self.calls_awaiting_backward = 0
+        # FSDPModule.set_* reduction settings given while this state has no group: a group it forms at lazy
+        # init (a tie made after fully_shard) reduces with them.
+        self.settings_without_group = ReduceSettings()
         # Forms this call's group from sharded parameters when it has none yet (set by fully_shard).
         self.make_group: Callable[[list[Any], list[torch.Tensor]], ParamGroup] | None = None
         # List groups: the modules yet to run in this forward; resharded after the last one.
@@ -572,6 +575,7 @@ def _take_over_late_ties(states: list[HookState], module_names: dict[nn.Module, 
                 nearest = _nearest_enclosing_state(states, module_names, users)
                 if nearest is not None and nearest.group is None and nearest.make_group is not None:
                     nearest.group = _new_group(nearest.make_group, tied, site)
+                    nearest.group.reducer.settings = nearest.settings_without_group
                     owner.remove([tied])
                     _leave(replaced, site, group)
                     continue
