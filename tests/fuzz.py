@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 import random
 import shutil
@@ -68,13 +69,15 @@ class Case:
     sync_each: bool = False  # with accumulation: also reduce on every micro-batch (no set_requires_gradient_sync)
     eval_pass: str = "none"  # none | all | replica (one HSDP replica / rank 0 evaluates)
     manual_unshard: bool = False
-    optim: str = "sgd"  # sgd | adamw | fs_adamw | fs_sgd
+    optim: str = "sgd"  # sgd | adamw | fs_adamw | fs_sgd | muon (fullshard's Muon on matrices, AdamW on the rest)
     split_groups: bool = False
     scheduler: bool = False
     clip: str = "none"  # none | torch | fullshard
     ema: bool = False
     steps: int = 3
     resume_ws: int = 0  # save after step 1 and continue at this world size (0: no checkpoint)
+    tp: bool = False  # 4 ranks as a (2, 2) mesh: blocks' linear layers column-parallel on "tp", sharded on "dp"
+    extension: bool = False  # block 0's linear weight a tensor subclass with FSDP2's all-gather hooks
 
     def describe(self) -> str:
         plain = Case(self.seed)
@@ -87,7 +90,15 @@ class Case:
         """A case every rank can run: one replica evaluating alone needs an HSDP mesh (else it would
         all-gather alone), HSDP and an int reshard need 4 ranks."""
         return ((self.eval_pass != "replica" or self.hsdp) and (not self.hsdp or self.world_size == 4)
-                and (self.reshard != "int" or self.world_size == 4))
+                and (self.reshard != "int" or self.world_size == 4) and (not self.tp or self.world_size == 4))
+
+    @property
+    def dp_size(self) -> int:
+        """Ranks with their own batch: with tensor parallel both ranks of a "tp" pair see the same one."""
+        return self.world_size // 2 if self.tp else self.world_size
+
+    def data_rank(self, rank: int) -> int:
+        return rank // 2 if self.tp else rank
 
     @property
     def fsdp2_supported(self) -> bool:
@@ -113,6 +124,8 @@ class Case:
             return {"rtol": 5e-2, "atol": 5e-2}
         if self.mp != "none":  # bf16 compute, emulated by the reference up to the order of roundings
             return {"rtol": 5e-2, "atol": 1e-2}
+        if self.optim == "muon":  # Newton-Schulz runs in bf16: a gradient's last fp32 bit can round its input apart
+            return {"rtol": 1e-2, "atol": 1e-3}
         return {"rtol": 2e-4, "atol": 2e-5}  # norms over a few elements amplify rounding
 
 
@@ -154,7 +167,7 @@ def draw(seed: int) -> Case:
         kw.update(tie=rng.choice(["none", "within"]), zero_numel=False, quantized=False, ema=False, mixed_dtype=False,
                   branch=rng.choice(["none", "steps", "param_steps"]), optim=rng.choice(["sgd", "adamw"]),
                   clip=rng.choice(["none", "torch"]))
-        return Case(seed, **kw)
+        return _draw_more(Case(seed, **kw))
     if rng.random() < 0.12:
         kw["resume_ws"] = rng.choice([w for w in (1, 2, 4) if w != ws])
         kw["hsdp"], kw["reshard"] = False, "true" if kw["reshard"] == "int" else kw["reshard"]
@@ -162,7 +175,29 @@ def draw(seed: int) -> Case:
         kw["steps"] = max(kw["steps"], 3)
         kw["eval_pass"] = "all" if kw["eval_pass"] == "replica" else kw["eval_pass"]
         kw["scheduler"] = kw["ema"] = False  # their state is not part of the checkpoint
-    return Case(seed, **kw)
+    return _draw_more(Case(seed, **kw))
+
+
+def _draw_more(case: Case) -> Case:
+    """Tensor parallel, a tensor-subclass extension and Muon, drawn from a stream of their own (the other
+    features of a seed stay what they were before these existed)."""
+    rng = random.Random(f"more-{case.seed}")
+    tp = case.world_size == 4 and not case.hsdp and rng.random() < 0.35
+    extension = rng.random() < 0.12
+    muon = rng.random() < 0.12
+    change: dict[str, Any] = {}
+    if tp:  # not with: quantized or mixed-dtype groups, an int reshard, a checkpoint at another world size;
+        # torch's clip_grad_norm_ stacks norms of DTensors on two meshes, which DTensor refuses
+        change.update(tp=True, quantized=False, mixed_dtype=False, resume_ws=0,
+                      reshard="true" if case.reshard == "int" else case.reshard,
+                      clip=("none" if case.fsdp2_supported else "fullshard") if case.clip == "torch" else case.clip)
+    if extension and not tp and not case.quantized:  # an int reshard_after_forward is not supported with one
+        change.update(extension=True, reshard="true" if case.reshard == "int" else case.reshard)
+    # Muon in fp32 only: Newton-Schulz lifts a matrix's small singular values towards 1, so bf16 rounding in a
+    # small matrix's gradient becomes an O(lr) difference in its update, whichever side rounded
+    if muon and not tp and case.resume_ws == 0 and not case.fsdp2_supported and case.mp == "none":
+        change.update(optim="muon", scheduler=False)
+    return dataclasses.replace(case, **change)
 
 
 # ---- the model -------------------------------------------------------------------------------------
@@ -252,7 +287,8 @@ def batches(case: Case, world_sizes: list[int]) -> list[list[list[tuple[torch.Te
 
 
 def world_sizes(case: Case) -> list[int]:
-    return [case.world_size if step < 1 or not case.resume_ws else case.resume_ws for step in range(case.steps)]
+    """Each step's data-parallel size (the number of batches per micro-batch)."""
+    return [case.dp_size if step < 1 or not case.resume_ws else case.resume_ws for step in range(case.steps)]
 
 
 def loss_of(model: Net, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -260,10 +296,31 @@ def loss_of(model: Net, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tenso
     return F.mse_loss(model(x).float(), y)
 
 
-def make_optim(case: Case, model: nn.Module, reference: bool) -> torch.optim.Optimizer:
+class Optimizers:
+    """Several optimizers stepped as one: Muon takes the matrices, AdamW the rest."""
+
+    def __init__(self, *optimizers: torch.optim.Optimizer) -> None:
+        self.optimizers = optimizers
+
+    def step(self) -> None:
+        for o in self.optimizers:
+            o.step()
+
+    def zero_grad(self) -> None:
+        for o in self.optimizers:
+            o.zero_grad()
+
+
+def make_optim(case: Case, model: nn.Module, reference: bool) -> Any:
     import fullshard.optim
 
     params = [p for p in model.parameters() if p.requires_grad]
+    if case.optim == "muon":  # torch's Muon on the unsharded model, fullshard's on the sharded one
+        matrices = [p for p in params if p.ndim == 2 and p.numel()]
+        rest = [p for p in params if not (p.ndim == 2 and p.numel())]
+        muon = torch.optim.Muon if reference else fullshard.optim.Muon
+        return Optimizers(*([muon(matrices, lr=0.02, weight_decay=0.05)] if matrices else []),
+                          *([torch.optim.AdamW(rest, lr=0.01, eps=1e-3)] if rest else []))
     if case.split_groups:  # every other parameter: splits the fullshard groups
         groups: Any = [{"params": params[0::2]}, {"params": params[1::2], "lr": 0.02, "weight_decay": 0.1}]
         groups = [g for g in groups if g["params"]]
@@ -280,6 +337,57 @@ def make_optim(case: Case, model: nn.Module, reference: bool) -> torch.optim.Opt
 
 
 # ---- sharding ---------------------------------------------------------------------------------------
+
+
+class SplitWeight(torch.Tensor):
+    """A weight that all-gathers through FSDP2's tensor-subclass hooks as two parts of two dtypes: its bf16
+    rounding and the remainder (exact: the two add up to the weight), put back together in the parameter dtype."""
+
+    _data: torch.Tensor
+    _keep = {torch.ops.aten.detach.default, torch.ops.aten.alias.default, torch.ops.aten.view.default,
+             torch.ops.aten.clone.default, torch.ops.aten.slice.Tensor, torch.ops.aten._to_copy.default}
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor) -> SplitWeight:
+        return torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined,no-any-return]
+            cls, data.shape, strides=data.stride(), dtype=data.dtype, device=data.device, requires_grad=data.requires_grad
+        )
+
+    def __init__(self, data: torch.Tensor) -> None:
+        self._data = data
+
+    def __repr__(self) -> str:
+        return f"SplitWeight({self._data})"
+
+    def __tensor_flatten__(self) -> tuple[list[str], None]:
+        return ["_data"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict[str, torch.Tensor], ctx: None, outer_size: Any, outer_stride: Any) -> Any:
+        return SplitWeight(inner["_data"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        from torch.utils._pytree import tree_map
+
+        unwrap = lambda t: t._data if isinstance(t, SplitWeight) else t  # noqa: E731
+        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+        if func._schema.name.endswith("_") and isinstance(args[0], SplitWeight):  # in place: the wrapper itself
+            return args[0]
+        return SplitWeight(out) if func in cls._keep and isinstance(out, torch.Tensor) else out
+
+    def fsdp_pre_all_gather(self, mesh: Any, outer_size: Any, outer_stride: Any, module: Any, mp_policy: Any) -> Any:
+        high = self._data.to(torch.bfloat16)
+        return (high, self._data - high.to(self._data.dtype)), None
+
+    def fsdp_post_all_gather(self, outputs: Any, metadata: Any, param_dtype: torch.dtype, *, out: Any = None) -> Any:
+        high, low = outputs
+        w = (high.to(low.dtype) + low).to(param_dtype)
+        if out is not None:
+            out.copy_(w[: out.shape[0]])
+            return None
+        return w, (w,)
+
 
 
 def shard(case: Case, model: Net, impl: str) -> None:
@@ -307,6 +415,17 @@ def shard(case: Case, model: Net, impl: str) -> None:
         inner["reshard_after_forward"] = False
     elif case.reshard == "int" and ws == 4:
         inner["reshard_after_forward"] = 2
+    if case.tp:
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        kw["mesh"] = inner["mesh"] = mesh["dp"]
+        for block in model.blocks:
+            parallelize_module(block, mesh["tp"], {"lin": ColwiseParallel(output_layouts=Replicate())})
+    if case.extension:
+        lin = model.blocks[0].lin
+        lin.weight = nn.Parameter(SplitWeight(lin.weight.detach()), requires_grad=lin.weight.requires_grad)
     if case.tie == "after":  # untied while sharding, tied after every call
         model.post.weight = nn.Parameter(model.pre.weight.detach().clone())
     if case.tie in ("across", "after"):
@@ -360,13 +479,14 @@ def run_steps(case: Case, model: Net, opt: torch.optim.Optimizer, sched: Any, em
         ws = len(data[step][0])
         if case.eval_pass != "none" and (case.eval_pass == "all" or rank in (None, 0) or (case.hsdp and rank == 1)):
             with torch.no_grad():
-                model.set_rank(0 if rank is None else rank)
+                model.set_rank(0 if rank is None else case.data_rank(rank))
                 model(data[step][0][0][0])
         step_losses = []
+        unreduced: list[dict[str, torch.Tensor]] = []  # the reference's bf16 gradients held for a later reduction
         for micro, per_rank in enumerate(data[step]):
             last = micro == len(data[step]) - 1
             if rank is None and case.mp != "none":
-                step_losses.append(reference_bf16_backward(case, model, per_rank))
+                step_losses.append(reference_bf16_backward(case, model, per_rank, unreduced, last))
                 continue
             if rank is None:
                 losses = []
@@ -380,8 +500,8 @@ def run_steps(case: Case, model: Net, opt: torch.optim.Optimizer, sched: Any, em
                     model.set_requires_gradient_sync(last)
                 if case.manual_unshard:
                     model.unshard()
-                model.set_rank(rank)
-                loss = loss_of(model, per_rank[rank])
+                model.set_rank(case.data_rank(rank))
+                loss = loss_of(model, per_rank[case.data_rank(rank)])
                 step_losses.append([float(loss.detach())])
             loss.backward()
         record.losses.append([x for micro in step_losses for x in micro])
@@ -398,12 +518,18 @@ def run_steps(case: Case, model: Net, opt: torch.optim.Optimizer, sched: Any, em
             ema.update()
 
 
-def reference_bf16_backward(case: Case, model: Net, per_rank: list[Any]) -> list[float]:
+def reference_bf16_backward(case: Case, model: Net, per_rank: list[Any], unreduced: list[dict[str, torch.Tensor]],
+                            last: bool) -> list[float]:
     """Mixed precision on the unsharded model: each rank's loss on a bf16 copy of the parameters, its bf16
-    gradients reduced in the policy's reduce dtype (mean over ranks) and added to the fp32 gradients."""
+    gradients reduced in the policy's reduce dtype (mean over ranks) and added to the fp32 gradients.
+
+    Without a reduction per micro-batch, a bf16 reduce dtype accumulates each rank's unsharded gradients in
+    bf16 (``unreduced``, one dict per rank) and reduces them after the last micro-batch, as the sharded runs do;
+    a float32 reduce dtype accumulates them in float32, which adding the means in float32 matches."""
     import copy
 
     reduce_dtype = torch.bfloat16 if case.mp == "bf16" else torch.float32
+    hold = case.mp == "bf16" and case.accumulation > 1 and not case.sync_each
     losses, per_rank_grads = [], []
     for r, (x, y) in enumerate(per_rank):
         work = copy.deepcopy(model).to(torch.bfloat16)
@@ -412,6 +538,15 @@ def reference_bf16_backward(case: Case, model: Net, per_rank: list[Any]) -> list
         loss.backward()
         losses.append(float(loss.detach()))
         per_rank_grads.append({n: p.grad for n, p in work.named_parameters() if p.grad is not None})
+    if hold:
+        if not unreduced:
+            unreduced.extend({} for _ in per_rank)
+        for held, grads in zip(unreduced, per_rank_grads):
+            for name, g in grads.items():
+                held[name] = g if name not in held else held[name] + g
+        if not last:
+            return losses
+        per_rank_grads = unreduced
     for name, p in model.named_parameters():
         grads = [g[name].to(reduce_dtype) for g in per_rank_grads if name in g]
         if not grads:
@@ -487,6 +622,9 @@ def run_batch(rank: int, world_size: int, jobs: list[tuple[Case, str, int, str]]
 
     fullshard.set_collective_timeout(20.0)
     _set_short_timeout()
+    torch.serialization.add_safe_globals([SplitWeight])  # a checkpoint of the extension case holds its shards
+    # full_tensor() of FSDP2's (_StridedShard, Shard) parameters warns that it takes two all-gathers
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     out: list[Any] = []
     for case, impl, phase, ckpt in jobs:
         try:
@@ -621,7 +759,7 @@ def judge(case: Case, records: dict[Key, list[Any]]) -> str | None:
         for rank, rec in enumerate(got):
             def expected(step: int, rank: int = rank) -> list[float]:
                 micro = len(ref.losses[step]) // sizes[step]
-                return [ref.losses[step][m * sizes[step] + rank] for m in range(micro)]
+                return [ref.losses[step][m * sizes[step] + case.data_rank(rank)] for m in range(micro)]
 
             failure = compare(ref, rec, steps, expected, f"{what} rank {rank}", case.tolerance,
                               final=phase == 1 or not case.resume_ws)
@@ -654,12 +792,13 @@ def shrink(case: Case, failure: str) -> tuple[Case, str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.fuzz", description=__doc__.split("\n\n")[0])
     parser.add_argument("--seed", type=int, help="replay this one case")
+    parser.add_argument("--seeds", type=int, nargs="+", help="run these cases")
     parser.add_argument("--cases", type=int, default=100, help="how many cases (seeds start, start+1, ...)")
     parser.add_argument("--start", type=int, default=0)
     parser.add_argument("--batch", type=int, default=40, help="cases per launch of the ranks")
     parser.add_argument("--no-shrink", action="store_true")
     args = parser.parse_args(argv)
-    seeds = [args.seed] if args.seed is not None else list(range(args.start, args.start + args.cases))
+    seeds = [args.seed] if args.seed is not None else args.seeds or list(range(args.start, args.start + args.cases))
     failures = 0
     t0 = time.monotonic()
     for i in range(0, len(seeds), args.batch):
