@@ -215,12 +215,14 @@ def all_gather(
     world_size = 1 if group is None else dist.get_world_size(group)
     needs_copy = flat_shard.dtype != dtype or flat_shard.device != device
     with profiled("all_gather", label), streams.all_gather_stream():
-        inp = torch.empty(flat_shard.shape, dtype=dtype, device=device) if needs_copy else flat_shard
         if needs_copy:
-            inp.copy_(flat_shard, non_blocking=True)
+            output, inp = _gather_buffers(flat_shard.numel(), dtype, device, world_size, group, comm)
+            inp.copy_(flat_shard.view(-1), non_blocking=True)
             if flat_shard.device != device:
                 streams.h2d_done = streams.record()
-        output, work, ticket = _issue_all_gather(inp, world_size, group, label, comm, streams)
+        else:
+            output, inp = _gather_output(flat_shard, world_size, comm), flat_shard
+        work, ticket = _issue_all_gather(inp, output, group, label, comm, streams)
         # `work.wait()` orders the waiter after the collective, but not after the copy-in when no collective
         # runs (one rank, no elements): the event covers that (and states the order to stream checkers).
         issued = streams.record()
@@ -228,24 +230,43 @@ def all_gather(
                              ticket=ticket)
 
 
-def _issue_all_gather(
-    inp: torch.Tensor, world_size: int, group: dist.ProcessGroup | None, label: str, comm: Any, streams: CommStreams
-) -> tuple[torch.Tensor, dist.Work | None, failures.Ticket | None]:
-    """Allocate the rank-major output (by ``comm`` when given) and issue the all-gather of ``inp`` into it."""
+def _gather_output(inp: torch.Tensor, world_size: int, comm: Any) -> torch.Tensor:
+    """The rank-major output for an all-gather of ``inp`` (``inp`` itself on one rank), by ``comm`` when given."""
     if world_size == 1:
-        return inp, None, None
+        return inp
     if comm is not None:
-        output = comm.allocate((world_size * inp.numel(),), dtype=inp.dtype, device=inp.device)
+        return comm.allocate((world_size * inp.numel(),), dtype=inp.dtype, device=inp.device)  # type: ignore[no-any-return]
+    return torch.empty(world_size * inp.numel(), dtype=inp.dtype, device=inp.device)
+
+
+def _gather_buffers(numel: int, dtype: torch.dtype, device: torch.device, world_size: int,
+                    group: dist.ProcessGroup | None, comm: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output of an all-gather whose input is written by a copy-in, and that input: this rank's slot of the
+    output (an in-place all-gather, as NCCL and gloo allow), so no separate input buffer lives while it runs."""
+    if world_size == 1:
+        inp = torch.empty(numel, dtype=dtype, device=device)
+        return inp, inp
+    if comm is not None:
+        output = comm.allocate((world_size * numel,), dtype=dtype, device=device)
     else:
-        output = torch.empty(world_size * inp.numel(), dtype=inp.dtype, device=inp.device)
-    if not inp.numel():
-        return output, None, None
+        output = torch.empty(world_size * numel, dtype=dtype, device=device)
+    assert group is not None
+    return output, output.narrow(0, group.rank() * numel, numel)
+
+
+def _issue_all_gather(
+    inp: torch.Tensor, output: torch.Tensor, group: dist.ProcessGroup | None, label: str, comm: Any,
+    streams: CommStreams,
+) -> tuple[dist.Work | None, failures.Ticket | None]:
+    """Issue the all-gather of ``inp`` into ``output`` (nothing on one rank or without elements)."""
+    if output is inp or not inp.numel():
+        return None, None
     ticket = streams.issued("all-gather", label, inp.numel(), group)
     if comm is not None:
         work = comm(output, inp, group, async_op=True)
     else:
         work = _all_gather_single(output, inp, group=group, async_op=True)
-    return output, work, ticket
+    return work, ticket
 
 
 def all_gather_packed(
@@ -270,11 +291,11 @@ def all_gather_packed(
             nbytes = t.numel() * t.element_size()
             parts.append((total, nbytes, t.dtype))
             total += -(-nbytes // ALIGN) * ALIGN
-        inp = torch.empty(total, dtype=torch.uint8, device=device)
+        output, inp = _gather_buffers(total, torch.uint8, device, world_size, group, comm)
         for t, (offset, nbytes, dtype) in zip(tensors, parts):
             inp.narrow(0, offset, nbytes).view(dtype).copy_(t.reshape(-1))
         del tensors
-        output, work, ticket = _issue_all_gather(inp, world_size, group, label, comm, streams)
+        work, ticket = _issue_all_gather(inp, output, group, label, comm, streams)
         issued = streams.record()
     return PendingCollective(work, output, (inp, output), issued=issued, what=f"all-gather of group {label!r}",
                              group=group, ticket=ticket, parts=tuple(parts))
