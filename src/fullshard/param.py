@@ -239,10 +239,15 @@ class ShardedParam:
         # The sharded parameter is what users and optimizers see; follow it.
         return self.sharded.requires_grad
 
+    @cached_property
+    def _rows_here(self) -> int:
+        return self.layout.rows_on(self.mesh_info.shard_rank)
+
     def local_rows(self, padded_chunk: torch.Tensor) -> torch.Tensor:
         """This rank's real rows inside its padded chunk of a flat buffer."""
         lay = self.layout
-        return padded_chunk.view(lay.chunk_shape).narrow(lay.shard_dim, 0, lay.rows_on(self.mesh_info.shard_rank))
+        chunk = padded_chunk.view(lay.chunk_shape)
+        return chunk if self._rows_here == lay.chunk_rows else chunk.narrow(lay.shard_dim, 0, self._rows_here)
 
     def fill_shard(self, original: torch.Tensor, padded_chunk: torch.Tensor) -> None:
         """Copy this rank's rows of ``original`` into its chunk, zeroing the padding.
@@ -286,7 +291,9 @@ class ShardedParam:
         if local.requires_grad:  # keep the autograd edge to `local`
             return DTensor.from_local(local, spec.mesh, spec.placements, run_check=False, shape=spec.shape,
                                       stride=spec.stride)
-        return DTensor(local, spec, requires_grad=False)
+        # ``__new__`` alone: DTensor's ``__init__`` sets nothing and is wrapped to disable dynamo, which
+        # costs more than the construction itself (torch 2.13)
+        return cast(DTensor, DTensor.__new__(DTensor, local, spec, requires_grad=False))
 
     def wrap_local(self, local: torch.Tensor) -> torch.Tensor:
         """``local`` as the parameter's tensor subclass (itself when there is none)."""
