@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+from tests.test_cli_bench import bench_tables, check_phases
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "simulate_ranks.py"
 RANKS = (4, 8)
@@ -112,12 +114,13 @@ def test_bench_simulate_ranks() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "world size 8" in done.stdout.splitlines()[0]
-    rows = {line.split()[0]: line.split() for line in done.stdout.splitlines()[2:]}
+    rows, phases = bench_tables(done.stdout)
     assert set(rows) == set(IMPLEMENTATIONS)  # DDP cannot run on the fake group: left out by default
     # columns: name, step ms, ratio, params B/rank, state MiB/rank, peak, sent MiB/step, max loss diff
     assert rows["fullshard"][3] == rows["torch-fsdp2"][3]  # shards of 1/8 of the model
     assert rows["fullshard"][6] == rows["torch-fsdp2"][6]  # bytes counted at world size 8
     assert float(rows["torch-fsdp2"][7]) < 1e-3  # fp32; not exact: the fake group ignores FSDP2's AVG (see above)
+    check_phases(rows, phases)
 
 
 def test_bench_simulate_ranks_refuses_ddp() -> None:

@@ -22,6 +22,7 @@ precision, larger models and a profile of where the time goes.
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import time
 from collections.abc import Callable
@@ -124,7 +125,7 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
     for name in args.implementations:
         model = build(name, cfg, device, counter, args)
         runs[name] = {"model": model, "opt": make_optimizer(model, args), "times": [], "bytes": [],
-                      "peak": 0, "state": 0, "params": 0, "losses": []}
+                      "peak": 0, "state": 0, "params": 0, "losses": [], "phases": []}
     gen = torch.Generator().manual_seed(1 + rank)
     for step in range(args.warmup + args.steps):
         tokens = torch.randint(0, cfg.vocab_size, (args.batch_size, cfg.seq_len + 1), generator=gen).to(device)
@@ -137,10 +138,14 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
                 torch.cuda.reset_peak_memory_stats()
             dist.barrier()
             counter.bytes = 0.0
+            cpu_start = _cpu_seconds()
             start = time.perf_counter()
             loss = lm_loss(run["model"], tokens)
+            forward = time.perf_counter()
             loss.backward()
+            backward = time.perf_counter()
             run["opt"].step()
+            stepped = time.perf_counter()
             if not run["state"]:
                 held = state_bytes(run["model"], run["opt"])
                 run["state"], run["params"] = sum(held.values()), held["params"]
@@ -148,6 +153,7 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
             if cuda:
                 torch.cuda.synchronize()
                 run["peak"] = max(run["peak"], torch.cuda.max_memory_allocated())
+            cpu = [b - a for a, b in zip(cpu_start, _cpu_seconds())]
             elapsed = torch.tensor(time.perf_counter() - start, device=device)  # NCCL reduces device tensors
             sent = counter.bytes
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
@@ -155,6 +161,7 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
             if step >= args.warmup:
                 run["times"].append(elapsed.item())
                 run["bytes"].append(sent)
+                run["phases"].append((forward - start, backward - forward, stepped - backward, *cpu))
     counter.restore()
     if rank == 0:
         print(report(runs, cfg, world_size, device, args))
@@ -179,7 +186,19 @@ def report(runs: dict[str, dict[str, Any]], cfg: GPTConfig, world_size: int, dev
         diff = max(abs(a - b) for a, b in zip(run["losses"], runs[first]["losses"]))
         lines.append(f"{name:12s} {median * 1e3:9.1f} {median / base:14.3f} {run['params']:14d} {run['state'] / 2**20:15.2f} "
                      f"{peak:>9s} {statistics.median(run['bytes']) / 2**20:14.2f} {diff:14.2e}")
+    lines.append("rank 0, median ms per step: forward, backward, optimizer.step, and the CPU time of its process "
+                 "(every thread: the collectives' too) in user and system mode")
+    lines.append(f"{'':12s} {'forward':>9s} {'backward':>9s} {'optimizer':>9s} {'CPU user':>9s} {'CPU system':>10s}")
+    for name, run in runs.items():
+        medians = [statistics.median(column) * 1e3 for column in zip(*run["phases"])]
+        lines.append(f"{name:12s} " + " ".join(f"{m:9.1f}" for m in medians[:4]) + f" {medians[4]:10.1f}")
     return "\n".join(lines)
+
+
+def _cpu_seconds() -> tuple[float, float]:
+    """User and system CPU seconds of this process so far (all its threads)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime, usage.ru_stime
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
