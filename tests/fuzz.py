@@ -38,6 +38,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from tests.wrapper_weight import WrapperWeight
+
 BATCH_ROWS = 3
 
 
@@ -339,42 +341,9 @@ def make_optim(case: Case, model: nn.Module, reference: bool) -> Any:
 # ---- sharding ---------------------------------------------------------------------------------------
 
 
-class SplitWeight(torch.Tensor):
+class SplitWeight(WrapperWeight):
     """A weight that all-gathers through FSDP2's tensor-subclass hooks as two parts of two dtypes: its bf16
     rounding and the remainder (exact: the two add up to the weight), put back together in the parameter dtype."""
-
-    _data: torch.Tensor
-    _keep = {torch.ops.aten.detach.default, torch.ops.aten.alias.default, torch.ops.aten.view.default,
-             torch.ops.aten.clone.default, torch.ops.aten.slice.Tensor, torch.ops.aten._to_copy.default}
-
-    @staticmethod
-    def __new__(cls, data: torch.Tensor) -> SplitWeight:
-        return torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined,no-any-return]
-            cls, data.shape, strides=data.stride(), dtype=data.dtype, device=data.device, requires_grad=data.requires_grad
-        )
-
-    def __init__(self, data: torch.Tensor) -> None:
-        self._data = data
-
-    def __repr__(self) -> str:
-        return f"SplitWeight({self._data})"
-
-    def __tensor_flatten__(self) -> tuple[list[str], None]:
-        return ["_data"], None
-
-    @staticmethod
-    def __tensor_unflatten__(inner: dict[str, torch.Tensor], ctx: None, outer_size: Any, outer_stride: Any) -> Any:
-        return SplitWeight(inner["_data"])
-
-    @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        from torch.utils._pytree import tree_map
-
-        unwrap = lambda t: t._data if isinstance(t, SplitWeight) else t  # noqa: E731
-        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
-        if func._schema.name.endswith("_") and isinstance(args[0], SplitWeight):  # in place: the wrapper itself
-            return args[0]
-        return SplitWeight(out) if func in cls._keep and isinstance(out, torch.Tensor) else out
 
     def fsdp_pre_all_gather(self, mesh: Any, outer_size: Any, outer_stride: Any, module: Any, mp_policy: Any) -> Any:
         high = self._data.to(torch.bfloat16)
@@ -387,7 +356,6 @@ class SplitWeight(torch.Tensor):
             out.copy_(w[: out.shape[0]])
             return None
         return w, (w,)
-
 
 
 def shard(case: Case, model: Net, impl: str) -> None:

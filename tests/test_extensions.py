@@ -16,6 +16,7 @@ from fullshard import fully_shard
 from tests.harness import run_ranks
 from tests.models import Transformer, lm_loss, mse_loss
 from tests.parity import regression_batch, run_parity, token_batch
+from tests.wrapper_weight import WrapperWeight
 
 
 class CountingAllocations:
@@ -77,40 +78,8 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(w / scale.unsqueeze(1)).clamp(-127, 127).to(torch.int8), scale
 
 
-class RowInt8Weight(torch.Tensor):
+class RowInt8Weight(WrapperWeight):
     """Test-only: an fp32 weight that all-gathers as int8 rows with an fp32 scale per row (FSDP2's hooks)."""
-
-    _data: torch.Tensor
-
-    @staticmethod
-    def __new__(cls, data: torch.Tensor) -> RowInt8Weight:
-        return torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined,no-any-return]
-            cls, data.shape, strides=data.stride(), dtype=data.dtype, device=data.device, requires_grad=data.requires_grad
-        )
-
-    def __init__(self, data: torch.Tensor) -> None:
-        self._data = data
-
-    def __repr__(self) -> str:
-        return f"RowInt8Weight({self._data})"
-
-    def __tensor_flatten__(self) -> tuple[list[str], None]:
-        return ["_data"], None
-
-    @staticmethod
-    def __tensor_unflatten__(inner: dict[str, torch.Tensor], ctx: None, outer_size: Any, outer_stride: Any) -> RowInt8Weight:
-        return RowInt8Weight(inner["_data"])
-
-    _keep = {torch.ops.aten.detach.default, torch.ops.aten.alias.default, torch.ops.aten.view.default,
-             torch.ops.aten.clone.default, torch.ops.aten.slice.Tensor}
-
-    @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        unwrap = lambda t: t._data if isinstance(t, RowInt8Weight) else t  # noqa: E731
-        out = func(*torch.utils._pytree.tree_map(unwrap, args), **torch.utils._pytree.tree_map(unwrap, kwargs or {}))
-        if func._schema.name.endswith("_") and isinstance(args[0], RowInt8Weight):  # in place: the wrapper itself
-            return args[0]
-        return RowInt8Weight(out) if func in cls._keep else out
 
     def fsdp_pre_all_gather(self, mesh: Any, outer_size: Any, outer_stride: Any, module: Any, mp_policy: Any) -> Any:
         return quantize_rows(self._data), None
