@@ -7,6 +7,7 @@ import functools
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
 
@@ -88,3 +89,31 @@ def _dtypes_seen(rank: int, world_size: int) -> None:
 
 def test_casts_inputs_outputs_and_grads() -> None:
     run_ranks(2, _dtypes_seen)
+
+
+def _all_gather_in_place(rank: int, world_size: int) -> None:
+    calls: list[tuple[torch.Tensor, torch.Tensor]] = []
+    original = dist.all_gather_single
+
+    def spy(output: torch.Tensor, inp: torch.Tensor, **kwargs):  # type: ignore[no-untyped-def]
+        if inp.dtype == BF16:  # the groups' all-gathers (the divergence checks gather int64 rows)
+            calls.append((output, inp))
+        return original(output, inp, **kwargs)
+
+    model = MLP()
+    shard_with(MixedPrecisionPolicy(param_dtype=BF16), "layers", model)
+    dist.all_gather_single = spy  # type: ignore[assignment]
+    try:
+        model(torch.randn(2, 7)).float().sum().backward()
+    finally:
+        dist.all_gather_single = original  # type: ignore[assignment]
+    assert len(calls) == 2 * len(model.layers)  # every layer in forward and again in backward (the root has none left)
+    for output, inp in calls:
+        # The cast shard is written into this rank's slot of the output, which is sent as the input.
+        assert inp.dtype == output.dtype == BF16 and output.numel() == world_size * inp.numel()
+        assert inp.untyped_storage().data_ptr() == output.untyped_storage().data_ptr()
+        assert inp.data_ptr() == output.data_ptr() + rank * inp.numel() * inp.element_size()
+
+
+def test_mixed_precision_all_gather_is_in_place() -> None:
+    run_ranks(2, _all_gather_in_place)

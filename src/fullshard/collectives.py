@@ -14,8 +14,9 @@ All-gather (``all_gather`` / ``PendingCollective.wait``)
   iteration is issued without waiting for compute, so prefetches run as far
   ahead as the prefetch depth allows.
 - The copy-in (cast to the compute dtype, or host-to-device for offloaded
-  shards), the all-gather input and output are allocated and written on the
-  all-gather stream. ``wait()`` makes the compute stream wait for the
+  shards) writes this rank's slot of the all-gather output, which is the
+  all-gather input (in place, so no separate input lives while it runs); the
+  output is allocated and written on the all-gather stream. ``wait()`` makes the compute stream wait for the
   collective and for an event recorded on the all-gather stream after issuing
   it (which alone orders the copy-in when one rank issues no collective); the
   copy-out into the unsharded buffer (allocated on the compute stream) runs
@@ -207,7 +208,9 @@ def all_gather(
     Two ranks with flat shard buffers ``[1, 2]`` (rank 0) and ``[3, 4]``
     (rank 1) both receive ``[1, 2, 3, 4]``. ``flat_shard`` is sent as it is when
     it already has ``dtype`` and lives on ``device`` (no copy-in); otherwise it
-    is cast / copied into a new all-gather input. A group of one rank issues no
+    is cast / copied into this rank's slot of the output, which is then the
+    all-gather input (in place: rank 0 writes ``[1, 2]`` into ``[_, _, _, _]``
+    at 0, rank 1 ``[3, 4]`` at 2). A group of one rank issues no
     collective (``group=None`` means this rank alone): the output is the input.
     ``comm`` (``FSDPModule.set_custom_all_gather``: torch's ``AllGather``) allocates
     the output and runs the collective instead.
