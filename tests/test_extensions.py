@@ -147,6 +147,35 @@ def _subclass_parity(rank: int, world_size: int, reshard_after_forward: bool) ->
     assert expected < 0.6 * fp32_bytes
 
 
+class OffsetAllGather(CountingAllGather):
+    """A custom all-gather whose ``allocate`` returns a view one element into its buffer (a pooled allocator's
+    slice), so a packed output does not start on an aligned byte."""
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        self.allocated.append(tuple(size))
+        return torch.empty(size[0] + 1, dtype=dtype, device=device)[1:]
+
+
+def _packed_custom_all_gather(rank: int, world_size: int) -> None:
+    comms: list[OffsetAllGather] = []
+
+    def shard(model: nn.Module) -> None:
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                layer.weight = nn.Parameter(RowInt8Weight(layer.weight.detach().clone()))
+                fully_shard(layer)
+                comms.append(OffsetAllGather())
+                layer.set_custom_all_gather(comms[-1])
+        fully_shard(model)
+
+    run_parity(rank, world_size, qmlp, shard, regression_batch, mse_loss, steps=3, rtol=1e-5, atol=1e-6)
+    assert all(c.calls == 2 * 3 for c in comms)  # forward and backward, 3 steps
+
+
+def test_packed_all_gather_with_an_unaligned_custom_allocation() -> None:
+    run_ranks(2, _packed_custom_all_gather)
+
+
 @pytest.mark.parametrize("world_size,reshard_after_forward", [(2, True), (4, False)])
 def test_tensor_subclass_all_gather_hooks_parity(world_size: int, reshard_after_forward: bool) -> None:
     run_ranks(world_size, _subclass_parity, reshard_after_forward)

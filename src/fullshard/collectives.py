@@ -251,6 +251,9 @@ def _gather_buffers(numel: int, dtype: torch.dtype, device: torch.device, world_
         return inp, inp
     if comm is not None:
         output = comm.allocate((world_size * numel,), dtype=dtype, device=device)
+        if output.storage_offset() * output.element_size() % ALIGN:
+            # A packed input is viewed as other dtypes from ALIGN-byte boundaries: out of place instead.
+            return output, torch.empty(numel, dtype=dtype, device=device)
     else:
         output = torch.empty(world_size * numel, dtype=dtype, device=device)
     assert group is not None
