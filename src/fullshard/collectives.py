@@ -16,9 +16,10 @@ All-gather (``all_gather`` / ``PendingCollective.wait``)
 - The copy-in (cast to the compute dtype, or host-to-device for offloaded
   shards) writes this rank's slot of the all-gather output, which is the
   all-gather input (in place, so no separate input lives while it runs); the
-  output is allocated and written on the all-gather stream. ``wait()`` makes the compute stream wait for the
-  collective and for an event recorded on the all-gather stream after issuing
-  it (which alone orders the copy-in when one rank issues no collective); the
+  output is allocated and written on the all-gather stream. ``wait()`` makes
+  the compute stream wait for the collective and for an event recorded on the
+  all-gather stream after issuing it (which alone orders the copy-in when one
+  rank issues no collective); the
   copy-out into the unsharded buffer (allocated on the compute stream) runs
   there, then ``release()`` records an event and drops the input and output.
   Before its next allocation the all-gather stream waits for that event, so
@@ -234,12 +235,8 @@ def all_gather(
 
 
 def _gather_output(inp: torch.Tensor, world_size: int, comm: Any) -> torch.Tensor:
-    """The rank-major output for an all-gather of ``inp`` (``inp`` itself on one rank), by ``comm`` when given."""
-    if world_size == 1:
-        return inp
-    if comm is not None:
-        return comm.allocate((world_size * inp.numel(),), dtype=inp.dtype, device=inp.device)  # type: ignore[no-any-return]
-    return torch.empty(world_size * inp.numel(), dtype=inp.dtype, device=inp.device)
+    """The rank-major output for an all-gather of ``inp`` (``inp`` itself on one rank)."""
+    return inp if world_size == 1 else _allocate_output(inp.numel(), inp.dtype, inp.device, world_size, comm)
 
 
 def _gather_buffers(numel: int, dtype: torch.dtype, device: torch.device, world_size: int,
@@ -249,15 +246,19 @@ def _gather_buffers(numel: int, dtype: torch.dtype, device: torch.device, world_
     if world_size == 1:
         inp = torch.empty(numel, dtype=dtype, device=device)
         return inp, inp
-    if comm is not None:
-        output = comm.allocate((world_size * numel,), dtype=dtype, device=device)
-        if output.storage_offset() * output.element_size() % ALIGN:
-            # A packed input is viewed as other dtypes from ALIGN-byte boundaries: out of place instead.
-            return output, torch.empty(numel, dtype=dtype, device=device)
-    else:
-        output = torch.empty(world_size * numel, dtype=dtype, device=device)
+    output = _allocate_output(numel, dtype, device, world_size, comm)
+    if output.storage_offset() * output.element_size() % ALIGN:
+        # ``comm`` allocated off an ALIGN-byte boundary, where a packed input's parts are viewed as other dtypes
+        return output, torch.empty(numel, dtype=dtype, device=device)
     assert group is not None
     return output, output.narrow(0, group.rank() * numel, numel)
+
+
+def _allocate_output(numel: int, dtype: torch.dtype, device: torch.device, world_size: int, comm: Any) -> torch.Tensor:
+    """``world_size`` slots of ``numel`` elements, by ``comm`` (torch's ``AllGather``) when given."""
+    if comm is not None:
+        return comm.allocate((world_size * numel,), dtype=dtype, device=device)  # type: ignore[no-any-return]
+    return torch.empty(world_size * numel, dtype=dtype, device=device)
 
 
 def _issue_all_gather(
