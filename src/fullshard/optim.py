@@ -28,9 +28,10 @@ from torch.optim.adam import adam as _adam
 from torch.optim.sgd import sgd as _sgd
 
 from fullshard.group import group_of
+from fullshard.local_step import local_steps
 from fullshard.param import FLAT_GRAD, FlatGrad
 
-__all__ = ["SGD", "Adam", "AdamW", "Muon"]
+__all__ = ["SGD", "Adam", "AdamW", "Muon", "local_steps"]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
