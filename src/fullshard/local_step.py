@@ -27,7 +27,8 @@ Anything outside what this covers takes torch's usual path: another optimizer
 class or a subclass, a closure, ``differentiable``, compilation, a parameter or
 a state tensor that is some other DTensor or sharded differently from its
 parameter, a local tensor that is a tensor subclass. ``foreach`` left at None
-is resolved on the real parameters, so the same kernels run either way.
+resolves the same way on the local tensors as on the DTensors (torch counts DTensor among
+the types its foreach kernels take), so the same kernels run either way.
 ``fullshard.optim.local_steps(False)`` turns it off.
 """
 
@@ -38,7 +39,7 @@ from typing import Any, cast
 
 import torch
 from torch.distributed.tensor import DTensor, Partial
-from torch.optim.optimizer import _default_to_fused_or_foreach, register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 __all__ = ["local_steps", "own"]
 
@@ -131,11 +132,9 @@ def _pre_step(
                 local.append(alias)
             else:
                 local.append(p)
-        overrides: dict[str, Any] = {"params": local}
-        if group.get("foreach") is None and group.get("fused") is None:
-            # resolved on the real parameters, as torch would
-            _, overrides["foreach"] = _default_to_fused_or_foreach(params, differentiable=False, use_fused=False)
-        groups.append(collections.ChainMap(overrides, group))
+        # reads go through to the real group: a pre-hook of the optimizer's own that runs after this one and
+        # sets the learning rate is seen
+        groups.append(collections.ChainMap({"params": local}, group))
     stand_in.param_groups = groups  # type: ignore[assignment]
     stand_in.state = _LocalStates(opt.state, owners)
     return (stand_in, *args[1:]), kwargs

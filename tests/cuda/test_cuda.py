@@ -251,3 +251,28 @@ def test_tensor_parallel_on_one_gpu() -> None:
 
     model = cuda_parity(MLP, shard, regression_batch, mse_loss, **FP32_TOL)
     assert model.layers[0].weight.device_mesh.mesh_dim_names == ("dp", "tp")
+
+
+@pytest.mark.parametrize("config", ["adamw", "adam_tensor_lr", "adamw_fused", "sgd_foreach_momentum"])
+def test_local_optimizer_step_gives_the_dtensor_path_bits(config: str) -> None:
+    """On CUDA torch's default for AdamW is its foreach kernels (a Tensor lr: the loop); the local step picks the same."""
+    import fullshard
+    from tests.test_local_step import CONFIGS, _assert_same_bits, _groups, _steps
+
+    cls, kwargs = CONFIGS[config]
+    kwargs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    models, opts = [], []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = Transformer()
+        shard_blocks(model)
+        models.append(model)
+        opts.append(cls(_groups(model), **kwargs))
+    batches = random_batches(3, 1, token_batch)
+    assert _steps(models[0], opts[0], batches, 0, on_cuda(lm_loss)) == 0
+    fullshard.optim.local_steps(False)
+    try:
+        assert _steps(models[1], opts[1], batches, 0, on_cuda(lm_loss)) > 0
+    finally:
+        fullshard.optim.local_steps(True)
+    _assert_same_bits(models[0], opts[0], models[1], opts[1], config)
