@@ -231,6 +231,52 @@ def _paths(rank: int, world_size: int) -> None:
     for p, q in zip(model.parameters(), reference.parameters()):
         assert torch.equal(p._local_tensor, q._local_tensor)
 
+    # Gradients replaced by a pre-hook of the optimizer's own (after fullshard's) are the ones stepped.
+    model, reference = _model(), _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def freeze_matrices(o: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        for p in o.param_groups[0]["params"]:
+            if p.dim() > 1:
+                p.grad = None
+
+    opt.register_step_pre_hook(freeze_matrices)
+    assert _steps(model, opt, batches[:1], rank) == 0
+    opt_ref = torch.optim.SGD(reference.parameters(), lr=0.1)
+    opt_ref.register_step_pre_hook(freeze_matrices)
+    fullshard.optim.local_steps(False)
+    try:
+        _steps(reference, opt_ref, batches[:1], rank)
+    finally:
+        fullshard.optim.local_steps(True)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p._local_tensor, q._local_tensor)
+
+    # What the step sets on the optimizer stays on it (fused SGD checks devices on its first step only).
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+    assert _steps(model, opt, batches[:1], rank) == 0
+    assert opt._need_device_dtype_check_for_fused is False
+
+    # An optimizer over plain tensors only is not touched, even with fullshard in use.
+    plain = nn.Linear(3, 2)
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    opt.register_step_post_hook(lambda o, args, kwargs: seen.append(args[0] is o))
+    seen: list[bool] = []
+    plain(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    assert seen == [True]
+
+    # Initialised on the meta device and materialised with to_empty() (torch swaps the parameters' contents).
+    with torch.device("meta"):
+        model = Transformer()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    model.to_empty(device="cpu")
+    model.load_state_dict(_model().state_dict())
+    assert _steps(model, torch.optim.AdamW(model.parameters(), lr=1e-2), batches, rank) == 0
+
     # A step that fails half-way leaves the optimizer as it was: DTensor parameters and state.
     model = _model()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)

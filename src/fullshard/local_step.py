@@ -13,35 +13,48 @@ does with such operands.
 
 fullshard registers one global optimizer step pre-hook (torch calls it before
 every ``step()``, ahead of the optimizer's own hooks). For an optimizer of one
-of the exact classes in ``_ELEMENTWISE`` whose parameters are all fullshard's
-(or plain tensors), it hands torch's unmodified ``step`` a stand-in object in
-place of ``self``: the same class and attributes, with param groups whose
-``params`` are aliases of the local tensors (their ``.grad`` the local
-gradients) and a ``state`` that serves local tensors and writes every new or
-replaced state tensor back to the real optimizer's state as a ``DTensor`` with
-the parameter's spec, at once. The real optimizer's param groups are never
-changed, so an exception inside the step leaves nothing to undo, and its hooks,
-``state_dict()`` and LR schedulers see what they would without this.
+of the exact classes in ``_ELEMENTWISE`` that holds fullshard's parameters, it
+hands torch's unmodified ``step`` a stand-in object in place of ``self``: an
+instance of a subclass that shares the optimizer's ``__dict__`` (what the step
+sets on ``self`` stays set) and differs only in ``param_groups`` and ``state``.
+Its groups read and write the real groups' hyperparameters; their ``params``
+are decided when the step first reads them, after every pre-hook: aliases of the
+local tensors whose ``.grad`` are the local gradients, if every parameter is
+fullshard's (or a plain tensor) with its gradient and state sharded like it,
+and otherwise the real parameters (the step then runs through DTensor, as it
+would without this). The stand-in's ``state`` serves local tensors and writes
+every new or replaced state tensor back to the real optimizer's state at once,
+as a ``DTensor`` with the parameter's spec. The real optimizer's param groups
+are never changed, so an exception inside the step leaves nothing to undo, and
+``state_dict()``, LR schedulers and hooks that use the optimizer they are given
+see it as they would without this; only ``args[0]`` in the hooks that run after
+fullshard's pre-hook is the stand-in.
 
 Anything outside what this covers takes torch's usual path: another optimizer
-class or a subclass, a closure, ``differentiable``, compilation, a parameter or
-a state tensor that is some other DTensor or sharded differently from its
+class or a subclass, a closure, ``differentiable``, compilation, a parameter
+that is not fullshard's (fullshard's own registry of groups decides, so
+parameters swapped in place by ``to_empty()`` or ``load_state_dict(assign=True)``
+stay fullshard's), a parameter or state tensor sharded differently from its
 parameter, a local tensor that is a tensor subclass. ``foreach`` left at None
 resolves the same way on the local tensors as on the DTensors (torch counts DTensor among
 the types its foreach kernels take), so the same kernels run either way.
-``fullshard.optim.local_steps(False)`` turns it off.
+``fullshard.optim.local_steps(False)`` turns it off. Three steps run only here: ``Rprop``
+(it masks its gradient in place) and fused ``SGD`` and ``Adagrad`` (DTensor has no
+sharding rule for their kernels) raise on the DTensor path, as on FSDP2's parameters.
 """
 
 from __future__ import annotations
 
-import collections
+from collections.abc import Iterator, MutableMapping
 from typing import Any, cast
 
 import torch
 from torch.distributed.tensor import DTensor, Partial
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-__all__ = ["local_steps", "own"]
+from fullshard.group import group_of
+
+__all__ = ["install", "local_steps"]
 
 # Classes whose step is elementwise in parameter, gradient and state, with state tensors
 # shaped like the parameter or 0-dim. Exact classes only: a subclass may add anything.
@@ -51,19 +64,14 @@ _ELEMENTWISE: frozenset[type] = frozenset({
     torch.optim.Adadelta,
 })
 
-# Set on fullshard's sharded parameters. An attribute rather than a registry: a tensor with a weak
-# reference cannot be swapped (``torch.utils.swap_tensors``), and specs are shared with other DTensors
-# through DTensor's propagation cache.
-_MARK = "_fullshard_local_step"
 _enabled = True
 _installed = False
 
 
-def own(param: torch.Tensor) -> None:
-    """Mark ``param``, a sharded parameter fullshard created, as one local steps may serve."""
+def install() -> None:
+    """Register the global pre-hook, once per process (from the first ``fully_shard``)."""
     global _installed
-    setattr(param, _MARK, True)
-    if not _installed:  # the global pre-hook, once per process
+    if not _installed:
         register_optimizer_step_pre_hook(_pre_step)
         _installed = True
 
@@ -86,6 +94,8 @@ def _matches(value: Any, spec: Any) -> bool:
 
 
 def _servable(opt: torch.optim.Optimizer) -> bool:
+    """Every parameter plain or fullshard's (at least one fullshard's), with gradient and state sharded like it."""
+    owned = False
     for group in opt.param_groups:
         for p in group["params"]:
             if type(p) is not DTensor:
@@ -93,7 +103,7 @@ def _servable(opt: torch.optim.Optimizer) -> bool:
                     return False
                 continue
             spec = p._spec
-            if not getattr(p, _MARK, False) or type(p._local_tensor) is not torch.Tensor or p.dim() == 0:
+            if group_of(p) is None or type(p._local_tensor) is not torch.Tensor or p.dim() == 0:
                 return False
             if any(isinstance(placement, Partial) for placement in spec.placements):
                 return False
@@ -103,7 +113,8 @@ def _servable(opt: torch.optim.Optimizer) -> bool:
             state = opt.state.get(p)
             if state and not all(_matches(v, spec) for v in state.values()):
                 return False
-    return True
+            owned = True
+    return owned
 
 
 def _pre_step(
@@ -113,31 +124,92 @@ def _pre_step(
         return None
     if args[0] is not opt or len(args) > 1 or kwargs.get("closure") is not None:
         return None  # a closure recomputes gradients on the real parameters during the step
-    if any(group.get("differentiable") for group in opt.param_groups) or not _servable(opt):
+    if opt.defaults.get("differentiable") or any(group.get("differentiable") for group in opt.param_groups):
         return None
-    stand_in = object.__new__(type(opt))
-    stand_in.__dict__.update(opt.__dict__)
-    owners: dict[torch.Tensor, DTensor] = {}
-    groups = []
-    for group in opt.param_groups:
-        params = group["params"]
+    if not any(type(p) is DTensor and group_of(p) is not None for group in opt.param_groups for p in group["params"]):
+        return None  # nothing of fullshard's: leave the optimizer alone
+    return (_StandIns(opt).stand_in, *args[1:]), kwargs
+
+
+class _StandIns:
+    """The stand-in for one ``step()``: the optimizer's class, attributes and hyperparameters, local tensors.
+
+    The stand-in shares the optimizer's ``__dict__`` (what the step sets on ``self`` stays), and only its
+    ``param_groups`` and ``state`` differ, through properties of a subclass. Which tensors its groups hold
+    is decided at the step's first look at a group's ``params``: after every pre-hook, so gradients that a
+    later hook replaced are the ones stepped. If by then the parameters cannot be served, the groups hold
+    the real parameters and the step runs through DTensor as it would without this.
+    """
+
+    def __init__(self, opt: torch.optim.Optimizer) -> None:
+        self.opt = opt
+        self.params: list[list[torch.Tensor]] | None = None
+        self.owners: dict[torch.Tensor, DTensor] = {}
+        self.stand_in: Any = cast(Any, object.__new__(_stand_in_class(type(opt))))
+        self.stand_in._fullshard_groups = [_LocalGroup(group, i, self) for i, group in enumerate(opt.param_groups)]
+        self.stand_in._fullshard_state = _LocalStates(opt.state, self.owners)
+        self.stand_in.__dict__ = opt.__dict__
+
+    def params_of(self, index: int) -> list[torch.Tensor]:
+        if self.params is None:
+            groups = self.opt.param_groups
+            self.params = [self._local(group["params"]) for group in groups] if _servable(self.opt) else [
+                group["params"] for group in groups]
+        return self.params[index]
+
+    def _local(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         local = []
         for p in params:
             if type(p) is DTensor:
-                alias = p._local_tensor.detach()
+                alias = p._local_tensor.detach()  # an alias of its own: its gradient dies with it
                 grad = p.grad
                 if grad is not None:
                     alias.grad = cast(DTensor, grad)._local_tensor
-                owners[alias] = p
-                local.append(alias)
-            else:
-                local.append(p)
-        # reads go through to the real group: a pre-hook of the optimizer's own that runs after this one and
-        # sets the learning rate is seen
-        groups.append(collections.ChainMap({"params": local}, group))
-    stand_in.param_groups = groups  # type: ignore[assignment]
-    stand_in.state = _LocalStates(opt.state, owners)
-    return (stand_in, *args[1:]), kwargs
+                self.owners[alias] = p
+                p = alias
+            local.append(p)
+        return local
+
+
+_stand_in_classes: dict[type, type] = {}
+
+
+def _stand_in_class(cls: type) -> type:
+    sub = _stand_in_classes.get(cls)
+    if sub is None:
+        namespace = {
+            "__slots__": ("_fullshard_groups", "_fullshard_state"),
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+            "param_groups": property(lambda self: self._fullshard_groups),
+            "state": property(lambda self: self._fullshard_state),
+        }
+        sub = _stand_in_classes[cls] = type(cls.__name__, (cls,), namespace)
+    return sub
+
+
+class _LocalGroup(MutableMapping):  # type: ignore[type-arg]
+    """A param group of the stand-in: ``params`` as served by its ``_StandIns``, every other key the real group's."""
+
+    def __init__(self, real: dict[str, Any], index: int, owner: _StandIns) -> None:
+        self._real = real
+        self._index = index
+        self._owner = owner
+
+    def __getitem__(self, key: str) -> Any:
+        return self._owner.params_of(self._index) if key == "params" else self._real[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self._real[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self._real[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._real)
+
+    def __len__(self) -> int:
+        return len(self._real)
 
 
 class _LocalStates(dict):  # type: ignore[type-arg]

@@ -14,7 +14,6 @@ from torch.distributed.tensor import DTensor, Placement, Shard, distribute_tenso
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from fullshard import local_step
 from fullshard.layout import ParamLayout
 from fullshard.mesh import MeshInfo, concatenate_meshes
 
@@ -309,9 +308,7 @@ class ShardedParam:
             self.sharded = cast(DTensor, nn.Parameter(self.as_dtensor_of(local), requires_grad=requires_grad))
         # The parameter (a detached copy of the DTensor) has a spec of its own, equal to the cached one; gradients
         # share it, so that local optimizer steps find them sharded alike by identity (fullshard.local_step).
-        spec = self.sharded._spec
-        self._specs[self.sharded.dtype] = spec
-        local_step.own(self.sharded)
+        self._specs[self.sharded.dtype] = self.sharded._spec
 
     def bind_unsharded(self, padded_full: torch.Tensor) -> None:
         """``padded_full``: this parameter's slice of the unsharded buffer."""
