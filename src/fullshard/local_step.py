@@ -128,10 +128,10 @@ def _pre_step(
         return None
     if not any(type(p) is DTensor and group_of(p) is not None for group in opt.param_groups for p in group["params"]):
         return None  # nothing of fullshard's: leave the optimizer alone
-    return (_StandIns(opt).stand_in, *args[1:]), kwargs
+    return (_LocalStep(opt).stand_in, *args[1:]), kwargs
 
 
-class _StandIns:
+class _LocalStep:
     """The stand-in for one ``step()``: the optimizer's class, attributes and hyperparameters, local tensors.
 
     The stand-in shares the optimizer's ``__dict__`` (what the step sets on ``self`` stays), and only its
@@ -189,9 +189,9 @@ def _stand_in_class(cls: type) -> type:
 
 
 class _LocalGroup(MutableMapping):  # type: ignore[type-arg]
-    """A param group of the stand-in: ``params`` as served by its ``_StandIns``, every other key the real group's."""
+    """A param group of the stand-in: ``params`` as served by its ``_LocalStep``, every other key the real group's."""
 
-    def __init__(self, real: dict[str, Any], index: int, owner: _StandIns) -> None:
+    def __init__(self, real: dict[str, Any], index: int, owner: _LocalStep) -> None:
         self._real = real
         self._index = index
         self._owner = owner
