@@ -169,10 +169,13 @@ def test_local_step_bits_across_layouts(layout: str, world_size: int) -> None:
 
 
 # Rprop masks its gradient in place (``grad[sign == etaminus] = 0``), which DTensor cannot do on a sharded
-# gradient: on FSDP2's parameters its step raises. The local step runs it.
+# gradient: on FSDP2's parameters its step raises, as do the fused SGD and Adagrad. The local step runs them.
 PARITY: dict[str, tuple[type, dict[str, Any]]] = {
     "adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1, "eps": 1e-3}),  # eps: see tests/fuzz.py
     "rprop": (torch.optim.Rprop, {"lr": 1e-2}),
+    # fused SGD and Adagrad: DTensor has no sharding rule for their kernels (FSDP2's parameters raise)
+    "sgd_fused": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "fused": True}),
+    "adagrad_fused": (torch.optim.Adagrad, {"lr": 0.05, "eps": 1e-3, "fused": True}),  # eps: see tests/fuzz.py
 }
 
 
