@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -59,6 +61,16 @@ class DTensorOps(TorchFunctionMode):
         if dtensors and getattr(func, "__name__", "") not in _METADATA:
             self.count += 1
         return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def dtensor_path() -> Iterator[None]:
+    """torch's optimizers step through DTensor inside (local steps off)."""
+    fullshard.optim.local_steps(False)
+    try:
+        yield
+    finally:
+        fullshard.optim.local_steps(True)
 
 
 def _model(torch_fsdp: bool = False, **kwargs: Any) -> nn.Module:
@@ -123,11 +135,8 @@ def _same_bits_as_dtensor_path(rank: int, world_size: int, configs: list[str], l
         opt_local = cls(_groups(local), **kwargs)
         opt_through = cls(_groups(through), **kwargs)
         assert _steps(local, opt_local, batches, rank) == 0, f"{config}: the step went through DTensor"
-        fullshard.optim.local_steps(False)
-        try:
+        with dtensor_path():
             assert _steps(through, opt_through, batches, rank) > 0
-        finally:
-            fullshard.optim.local_steps(True)
         _assert_same_bits(local, opt_local, through, opt_through, config)
         # The optimizer's own view is untouched: DTensor parameters, no gradient left on a local tensor.
         for p in (p for g in opt_local.param_groups for p in g["params"]):
@@ -136,11 +145,8 @@ def _same_bits_as_dtensor_path(rank: int, world_size: int, configs: list[str], l
         set_optimizer_state_dict(local, opt_local, copy.deepcopy(get_optimizer_state_dict(through, opt_through)))
         more = random_batches(2, world_size, token_batch, seed=7)
         assert _steps(local, opt_local, more, rank) == 0, f"{config}: after a state-dict load"
-        fullshard.optim.local_steps(False)
-        try:
+        with dtensor_path():
             _steps(through, opt_through, more, rank)
-        finally:
-            fullshard.optim.local_steps(True)
         _assert_same_bits(local, opt_local, through, opt_through, f"{config} after a load")
 
 
@@ -247,11 +253,8 @@ def _paths(rank: int, world_size: int) -> None:
     assert _steps(model, opt, batches[:1], rank) == 0
     opt_ref = torch.optim.SGD(reference.parameters(), lr=0.1)
     opt_ref.register_step_pre_hook(freeze_matrices)
-    fullshard.optim.local_steps(False)
-    try:
+    with dtensor_path():
         _steps(reference, opt_ref, batches[:1], rank)
-    finally:
-        fullshard.optim.local_steps(True)
     for p, q in zip(model.parameters(), reference.parameters()):
         assert torch.equal(p._local_tensor, q._local_tensor)
 

@@ -256,8 +256,7 @@ def test_tensor_parallel_on_one_gpu() -> None:
 @pytest.mark.parametrize("config", ["adamw", "adam_tensor_lr", "adamw_fused", "sgd_foreach_momentum"])
 def test_local_optimizer_step_gives_the_dtensor_path_bits(config: str) -> None:
     """On CUDA torch's default for AdamW is its foreach kernels (a Tensor lr: the loop); the local step picks the same."""
-    import fullshard
-    from tests.test_local_step import CONFIGS, _assert_same_bits, _groups, _steps
+    from tests.test_local_step import CONFIGS, _assert_same_bits, _groups, _steps, dtensor_path
 
     cls, kwargs = CONFIGS[config]
     kwargs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
@@ -270,9 +269,6 @@ def test_local_optimizer_step_gives_the_dtensor_path_bits(config: str) -> None:
         opts.append(cls(_groups(model), **kwargs))
     batches = random_batches(3, 1, token_batch)
     assert _steps(models[0], opts[0], batches, 0, on_cuda(lm_loss)) == 0
-    fullshard.optim.local_steps(False)
-    try:
+    with dtensor_path():
         assert _steps(models[1], opts[1], batches, 0, on_cuda(lm_loss)) > 0
-    finally:
-        fullshard.optim.local_steps(True)
     _assert_same_bits(models[0], opts[0], models[1], opts[1], config)
