@@ -12,7 +12,9 @@ Configurations: plain fp32, bf16 mixed precision, ``reshard_after_forward=False`
 the root's included, reshards after forward unless the configuration says otherwise; the optimizer is
 torch's ``AdamW(foreach=False)``. ``bound`` is what a step needs at least: the sharded state (parameters,
 gradients, optimizer state), the largest group unsharded (parameters and gradients) and the activations
-(measured on the unwrapped model with this rank's batch).
+(measured on the unwrapped model with this rank's batch). ``left after the step`` is what the step
+allocated that is still live after its ``optimizer.zero_grad()``, with the garbage collector off: memory
+that only a collection would give back (a reference cycle) shows here, and grows a process step by step.
 
     python benchmarks/memory.py                      # every configuration, 2 ranks (HSDP: 4)
     python benchmarks/memory.py --configs plain bf16 --top 8
@@ -21,6 +23,7 @@ gradients, optimizer state), the largest group unsharded (parameters and gradien
 from __future__ import annotations
 
 import argparse
+import gc
 import weakref
 from typing import Any
 
@@ -53,6 +56,7 @@ class LiveBytes(TorchDispatchMode):
         self._resize: Any = None
         self.recent: list[str] = []  # the last allocations, for --trace
         self.peak_recent: list[str] = []
+        self.left = 0  # bytes the step made that are still live after it (optimizer.zero_grad() included)
 
     def add(self, storage: torch.UntypedStorage, label: str) -> None:
         if storage.device.type == "meta":
@@ -168,8 +172,15 @@ def measure(model: Any, batches: list[torch.Tensor], sharded: bool, top: int) ->
     tracker = LiveBytes()
     tracker.top = top
     register_state(tracker, model, opt)
-    with tracker:
-        step(model, opt, batches, tracker, sharded)
+    start = tracker.total
+    gc.collect()
+    gc.disable()  # what only a garbage collection would free counts as left
+    try:
+        with tracker:
+            step(model, opt, batches, tracker, sharded)
+        tracker.left = tracker.total - start
+    finally:
+        gc.enable()
     return tracker
 
 
@@ -228,11 +239,12 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
     if rank == 0:
         print(f"\nworld size {world_size}: GPT {cfg.n_layers} blocks, width {cfg.dim}, batch {args.batch_size}x{cfg.seq_len}")
         print("| configuration | fullshard peak MiB | FSDP2 peak MiB | fullshard/FSDP2 | fullshard phase | FSDP2 phase "
-              "| bound MiB | fullshard/bound |")
-        print("|---|---|---|---|---|---|---|---|")
+              "| bound MiB | fullshard/bound | left after the step MiB (fullshard / FSDP2) |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for config, ours, theirs, bound in rows:
             print(f"| {config} | {ours.peak / MIB:.2f} | {theirs.peak / MIB:.2f} | {ours.peak / theirs.peak:.3f} | "
-                  f"{ours.peak_phase} | {theirs.peak_phase} | {bound / MIB:.2f} | {ours.peak / bound:.3f} |")
+                  f"{ours.peak_phase} | {theirs.peak_phase} | {bound / MIB:.2f} | {ours.peak / bound:.3f} | "
+                  f"{ours.left / MIB:.2f} / {theirs.left / MIB:.2f} |")
         for config, ours, theirs, _ in rows:
             for name, tracker in (("fullshard", ours), ("FSDP2", theirs)):
                 top = ", ".join(f"{n / MIB:.2f} {label}" for n, label in tracker.peak_top)

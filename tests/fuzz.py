@@ -21,7 +21,9 @@ turn while it still fails) and printed with its seed::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import gc
 import logging
 import os
 import random
@@ -30,6 +32,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -436,55 +439,81 @@ class Record:
     grads: list[dict[str, torch.Tensor]] = dataclasses.field(default_factory=list)
     params: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     ema: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    # what the last step left for the garbage collector (tensors, fullshard's objects): freed late, if ever
+    garbage: list[str] = dataclasses.field(default_factory=list)
 
 
 def run_steps(case: Case, model: Net, opt: torch.optim.Optimizer, sched: Any, ema: Any, data: Any, steps: range,
               rank: int | None, record: Record, impl: str) -> None:
     """Train ``steps``; ``rank=None`` is the unsharded reference (every rank's batch, mean of losses)."""
+    for step in steps:
+        if rank is not None and impl == "fullshard" and step == steps[-1] and len(steps) > 1:
+            with left_for_gc(record.garbage):
+                _step(case, model, opt, sched, ema, data, step, rank, record)
+        else:
+            _step(case, model, opt, sched, ema, data, step, rank, record)
+
+
+@contextlib.contextmanager
+def left_for_gc(found: list[str]) -> Iterator[None]:
+    """Append to ``found`` the tensors and fullshard objects that the block leaves in reference cycles."""
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        yield
+        gc.collect()
+        found.extend(sorted({f"{type(o).__module__}.{type(o).__qualname__}" for o in gc.garbage
+                             if isinstance(o, torch.Tensor) or type(o).__module__.startswith("fullshard")}))
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+
+
+def _step(case: Case, model: Net, opt: torch.optim.Optimizer, sched: Any, ema: Any, data: Any, step: int,
+          rank: int | None, record: Record) -> None:
     from fullshard import clip_grad_norm_
 
-    for step in steps:
-        model.step = step
-        ws = len(data[step][0])
-        if case.eval_pass != "none" and (case.eval_pass == "all" or rank in (None, 0) or (case.hsdp and rank == 1)):
-            with torch.no_grad():
-                model.set_rank(0 if rank is None else case.data_rank(rank))
-                model(data[step][0][0][0])
-        step_losses = []
-        unreduced: list[dict[str, torch.Tensor]] = []  # the reference's bf16 gradients held for a later reduction
-        for micro, per_rank in enumerate(data[step]):
-            last = micro == len(data[step]) - 1
-            if rank is None and case.mp != "none":
-                step_losses.append(reference_bf16_backward(case, model, per_rank, unreduced, last))
-                continue
-            if rank is None:
-                losses = []
-                for r, batch in enumerate(per_rank):
-                    model.set_rank(r)
-                    losses.append(loss_of(model, batch))
-                loss = sum(losses) / ws
-                step_losses.append([float(x.detach()) for x in losses])
-            else:
-                if not case.sync_each and case.accumulation > 1:
-                    model.set_requires_gradient_sync(last)
-                if case.manual_unshard:
-                    model.unshard()
-                model.set_rank(case.data_rank(rank))
-                loss = loss_of(model, per_rank[case.data_rank(rank)])
-                step_losses.append([float(loss.detach())])
-            loss.backward()
-        record.losses.append([x for micro in step_losses for x in micro])
-        record.grads.append({n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None})
-        if case.clip == "torch" or (case.clip == "fullshard" and rank is None):
-            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 0.5)
-        elif case.clip == "fullshard":
-            clip_grad_norm_(model, 0.5)
-        opt.step()
-        opt.zero_grad()
-        if sched is not None:
-            sched.step()
-        if ema is not None:
-            ema.update()
+    model.step = step
+    ws = len(data[step][0])
+    if case.eval_pass != "none" and (case.eval_pass == "all" or rank in (None, 0) or (case.hsdp and rank == 1)):
+        with torch.no_grad():
+            model.set_rank(0 if rank is None else case.data_rank(rank))
+            model(data[step][0][0][0])
+    step_losses = []
+    unreduced: list[dict[str, torch.Tensor]] = []  # the reference's bf16 gradients held for a later reduction
+    for micro, per_rank in enumerate(data[step]):
+        last = micro == len(data[step]) - 1
+        if rank is None and case.mp != "none":
+            step_losses.append(reference_bf16_backward(case, model, per_rank, unreduced, last))
+            continue
+        if rank is None:
+            losses = []
+            for r, batch in enumerate(per_rank):
+                model.set_rank(r)
+                losses.append(loss_of(model, batch))
+            loss = sum(losses) / ws
+            step_losses.append([float(x.detach()) for x in losses])
+        else:
+            if not case.sync_each and case.accumulation > 1:
+                model.set_requires_gradient_sync(last)
+            if case.manual_unshard:
+                model.unshard()
+            model.set_rank(case.data_rank(rank))
+            loss = loss_of(model, per_rank[case.data_rank(rank)])
+            step_losses.append([float(loss.detach())])
+        loss.backward()
+    record.losses.append([x for micro in step_losses for x in micro])
+    record.grads.append({n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None})
+    if case.clip == "torch" or (case.clip == "fullshard" and rank is None):
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 0.5)
+    elif case.clip == "fullshard":
+        clip_grad_norm_(model, 0.5)
+    opt.step()
+    opt.zero_grad()
+    if sched is not None:
+        sched.step()
+    if ema is not None:
+        ema.update()
 
 
 def reference_bf16_backward(case: Case, model: Net, per_rank: list[Any], unreduced: list[dict[str, torch.Tensor]],
@@ -726,6 +755,9 @@ def judge(case: Case, records: dict[Key, list[Any]]) -> str | None:
         if errors:
             return f"{what} raised:\n{errors[0]}"
         for rank, rec in enumerate(got):
+            if rec.garbage:
+                return f"{what} rank {rank}: the last step left reference cycles holding {', '.join(rec.garbage)}"
+
             def expected(step: int, rank: int = rank) -> list[float]:
                 micro = len(ref.losses[step]) // sizes[step]
                 return [ref.losses[step][m * sizes[step] + case.data_rank(rank)] for m in range(micro)]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import gc
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -301,6 +303,37 @@ def _paths(rank: int, world_size: int) -> None:
 
 def test_what_keeps_the_dtensor_path() -> None:
     run_ranks(2, _paths)
+
+
+def _freed_at_zero_grad(rank: int, world_size: int) -> None:
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    batch = random_batches(1, world_size, token_batch)[0][rank]
+    lm_loss(model, batch).backward()
+    opt.step()
+    opt.zero_grad()
+    gc.collect()
+    gc.disable()  # what only the garbage collector would free stays alive
+    try:
+        lm_loss(model, batch).backward()
+        grads = [weakref.ref(p.grad._local_tensor) for p in model.parameters()]
+        stepped: list[Any] = []  # (the stand-in, not the optimizer, ran the step; a weak reference to it)
+        hook = opt.register_step_post_hook(lambda o, args, kwargs: stepped.append((args[0] is not o, weakref.ref(args[0]))))
+        opt.step()
+        hook.remove()
+        opt.zero_grad()
+        local, stand_in = stepped[0]
+        assert local, "the step did not run locally"
+        assert stand_in() is None, "the stand-in outlived its step"
+        assert all(g() is None for g in grads), "gradients stepped locally outlived zero_grad()"
+    finally:
+        gc.enable()
+
+
+def test_local_step_frees_what_it_served_without_the_garbage_collector() -> None:
+    """Nothing of a local step waits for the garbage collector: the gradients go with ``zero_grad()`` (when
+    a reference cycle kept them, a process's memory grew by a gradient set per step until a collection)."""
+    run_ranks(2, _freed_at_zero_grad)
 
 
 def test_local_steps_takes_a_bool() -> None:

@@ -128,7 +128,7 @@ def _pre_step(
         return None
     if not any(type(p) is DTensor and group_of(p) is not None for group in opt.param_groups for p in group["params"]):
         return None  # nothing of fullshard's: leave the optimizer alone
-    return (_LocalStep(opt).stand_in, *args[1:]), kwargs
+    return (_LocalStep(opt).stand_in(), *args[1:]), kwargs
 
 
 class _LocalStep:
@@ -145,10 +145,16 @@ class _LocalStep:
         self.opt = opt
         self.params: list[list[torch.Tensor]] | None = None
         self.owners: dict[torch.Tensor, DTensor] = {}
-        self.stand_in: Any = cast(Any, object.__new__(_stand_in_class(type(opt))))
-        self.stand_in._fullshard_groups = [_LocalGroup(group, i, self) for i, group in enumerate(opt.param_groups)]
-        self.stand_in._fullshard_state = _LocalStates(opt.state, self.owners)
-        self.stand_in.__dict__ = opt.__dict__
+
+    def stand_in(self) -> Any:
+        """The object ``step()`` gets as ``self``. It refers to this ``_LocalStep`` (through its groups) and
+        nothing here refers back to it, so the local tensors and gradients it served are freed as soon as the
+        step returns, not at the next garbage collection."""
+        stand_in: Any = object.__new__(_stand_in_class(type(self.opt)))
+        stand_in._fullshard_groups = [_LocalGroup(group, i, self) for i, group in enumerate(self.opt.param_groups)]
+        stand_in._fullshard_state = _LocalStates(self.opt.state, self.owners)
+        stand_in.__dict__ = self.opt.__dict__
+        return stand_in
 
     def params_of(self, index: int) -> list[torch.Tensor]:
         if self.params is None:
