@@ -11,8 +11,9 @@ scheduler, clipping, EMA, a DCP checkpoint saved mid-run and loaded at another w
 Every case trains sharded on gloo ranks and unsharded in this process on the same batches; every step's
 losses and full gradients and the final full parameters (and EMA averages) must agree (fp32: 1e-5; bf16
 compute and quantized communication within their tolerances). Where torch's FSDP2 supports the case, it
-trains too and must agree with fullshard to 1e-6. A failing case is shrunk (each feature switched off in
-turn while it still fails) and printed with its seed::
+trains too and must agree with fullshard to 1e-6. fullshard's last step must leave no tensor and no
+fullshard object in a reference cycle (memory only a garbage collection would give back). A failing
+case is shrunk (each feature switched off in turn while it still fails) and printed with its seed::
 
     python -m tests.fuzz --seed 1234          # replay one case (prints it)
     python -m tests.fuzz --cases 2000         # soak: seeds 0..1999 (or --start S)
