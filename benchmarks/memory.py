@@ -171,11 +171,11 @@ def measure(model: Any, batches: list[torch.Tensor], sharded: bool, top: int) ->
     step(model, opt, batches, None, sharded)  # optimizer state and lazy initialisation exist from here on
     tracker = LiveBytes()
     tracker.top = top
-    register_state(tracker, model, opt)
-    start = tracker.total
     gc.collect()
     gc.disable()  # what only a garbage collection would free counts as left
     try:
+        register_state(tracker, model, opt)
+        start = tracker.total
         with tracker:
             step(model, opt, batches, tracker, sharded)
         tracker.left = tracker.total - start
