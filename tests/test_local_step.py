@@ -269,8 +269,8 @@ def _paths(rank: int, world_size: int) -> None:
     # An optimizer over plain tensors only is not touched, even with fullshard in use.
     plain = nn.Linear(3, 2)
     opt = torch.optim.SGD(plain.parameters(), lr=0.1)
-    opt.register_step_post_hook(lambda o, args, kwargs: seen.append(args[0] is o))
     seen: list[bool] = []
+    opt.register_step_post_hook(lambda o, args, kwargs: seen.append(args[0] is o))
     plain(torch.ones(1, 3)).sum().backward()
     opt.step()
     assert seen == [True]
