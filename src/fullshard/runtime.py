@@ -466,12 +466,24 @@ class HookState:
         new_args, new_kwargs = tree_unflatten(flat, spec)
         return new_args, new_kwargs
 
+    # [Note: Outputs that are views]
+    # A hook on an output tensor sits on the autograd node that made it. When the output is a
+    # view (`y.view(...)`, `y[:, ::2]`, `y.t()`) and the caller changes it in place
+    # (`h += x`), autograd rebases the view's history onto its base, and the view's old node
+    # is no longer on any path from the loss: its hook never fires, the group is not
+    # all-gathered for backward, and backward reads freed parameters. The base's node stays
+    # on the path (the in-place change is recorded on top of it), so the hook also watches
+    # each view's base when autograd made it; with mode="any" it still fires once, on
+    # whichever gradient comes first.
     def _register_pre_backward(self, output: Any) -> bool:
         if not torch.is_grad_enabled():
             return False
         tensors = [t for t in tensors_in(output) if t.requires_grad]
         if not tensors:
             return False
+        bases = [t._base for t in tensors if t._base is not None and t._base.grad_fn is not None]
+        if bases:
+            tensors = list({id(t): t for t in tensors + bases}.values())
         register_multi_grad_hook(tensors, self._pre_backward_hook, mode="any")
         return True
 
