@@ -146,6 +146,54 @@ def test_outputs_that_are_views_changed_in_place(reshard: bool) -> None:
     run_ranks(2, _view_outputs, reshard)
 
 
+class InPlaceInputModel(nn.Module):
+    """Sharded blocks that change their inputs in place: ``nn.ReLU(inplace=True)`` first, an in-place scale."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(7, 6)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.ReLU(inplace=True), nn.Linear(6, 6)) for _ in range(2)])
+        self.scale = ScaleInPlace(6)
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.out(self.scale(h))
+
+
+class ScaleInPlace(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.mul_(self.weight)
+        return x
+
+
+def _in_place_inputs(rank: int, world_size: int) -> None:
+    def shard(model: nn.Module) -> None:
+        for block in [*model.blocks, model.scale]:
+            fully_shard(block)
+        fully_shard(model)
+
+    run_parity(rank, world_size, InPlaceInputModel, shard, regression_batch, mse_loss)
+    # Changing an input that an earlier operation saved for its backward is caught, as without sharding.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Sigmoid(), nn.Sequential(nn.ReLU(inplace=True), nn.Linear(6, 6)))
+    fully_shard(model[2])
+    fully_shard(model)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        model(torch.randn(4, 6)).sum().backward()
+
+
+def test_modules_that_change_their_inputs_in_place() -> None:
+    # FSDP2's backward hook returns the inputs as views of a custom Function: changing them in place raises.
+    run_ranks(2, _in_place_inputs)
+
+
 # ---- a list of modules is one group: one all-gather and one reduce-scatter per pass -----------------
 
 

@@ -253,12 +253,18 @@ def _following(order: list[HookState], depth: int) -> dict[HookState, list[HookS
 
 
 class _PostBackward(torch.autograd.Function):
-    """Identity on a module call's inputs; its backward marks that call's backward as done."""
+    """Identity on a module call's inputs; its backward marks that call's backward as done.
+
+    Its outputs alias the inputs' memory without being their views (``detach()``), so the module may
+    change them in place (``nn.ReLU(inplace=True)`` as its first layer) as it could its unwrapped
+    inputs: autograd forbids in-place changes of a custom Function's output views. The alias shares the
+    input's version counter, so such a change of an input saved for backward is still caught.
+    """
 
     @staticmethod
     def forward(ctx: Any, state: HookState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         ctx.state = state
-        return tuple(x.view_as(x) for x in inputs)
+        return tuple(x.detach() for x in inputs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
