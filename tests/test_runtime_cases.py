@@ -194,6 +194,63 @@ def test_modules_that_change_their_inputs_in_place() -> None:
     run_ranks(2, _in_place_inputs)
 
 
+# ---- double backward: a gradient penalty through torch.autograd.grad(create_graph=True) ---------------
+
+
+class TanhStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(7, 6)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(3)])
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h)
+
+
+class PenaltyEverySecondStep:
+    """An input-gradient penalty (as WGAN-GP and R1 have it) on even steps, a plain loss on odd ones; a forward
+    runs between the penalty's create_graph backward and the final backward."""
+
+    def __init__(self, calls_per_step: int) -> None:
+        self.calls, self.calls_per_step = 0, calls_per_step
+
+    def __call__(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        step, self.calls = self.calls // self.calls_per_step, self.calls + 1
+        x, y = batch
+        if step % 2:
+            return (model(x) - y).square().mean()
+        x = x.clone().requires_grad_(True)
+        pred = model(x)
+        (grad_x,) = torch.autograd.grad(pred.square().sum(), x, create_graph=True)
+        other = model(x.detach().flip(0))
+        return (pred - y).square().mean() + 0.1 * grad_x.square().sum() + 0.5 * other.square().mean()
+
+
+def _double_backward(rank: int, world_size: int, reshard: bool) -> None:
+    torch.manual_seed(0)
+    ref = TanhStack()
+    torch.manual_seed(0)
+    model = TanhStack()
+    for block in model.blocks:
+        fully_shard(block, reshard_after_forward=reshard)
+    fully_shard(model, reshard_after_forward=reshard)
+    batches = random_batches(4, world_size, regression_batch)
+    ref_trace = train(ref, batches, PenaltyEverySecondStep(world_size), rank=None)
+    trace = train(model, batches, PenaltyEverySecondStep(1), rank=rank)
+    assert_parity(ref_trace, trace, rank)
+    assert all(s.group is None or s.group.state is ShardedState.SHARDED for s in states_in(model))
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_gradient_penalty_through_a_double_backward(reshard: bool) -> None:
+    # FSDP2 frees the parameters that the create_graph backward's graph saved: the final backward fails.
+    run_ranks(2, _double_backward, reshard)
+
+
 # ---- a list of modules is one group: one all-gather and one reduce-scatter per pass -----------------
 
 

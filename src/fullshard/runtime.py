@@ -104,6 +104,18 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+# [Note: Double backward]
+# A backward with create_graph=True (a gradient penalty: torch.autograd.grad(out, x,
+# create_graph=True), then a loss that includes the gradient is back-propagated) builds a
+# graph whose nodes saved the unsharded parameters, and the backward through it reaches
+# them by paths that do not pass the groups' outputs or inputs. So such a backward leaves
+# every group it unsharded unsharded (its own gradients are reduced as usual), and until a
+# backward without create_graph has run, forwards leave the groups unsharded too (that
+# backward may run through their graph as well). That backward reduces and reshards every
+# group at its end, once all gradients, those through the kept graph included, have
+# arrived. Memory in between is that of reshard_after_forward=False.
+
+
 class IterationContext:
     """What every state under one root shares: recorded order, in-flight reductions, backward flags."""
 
@@ -123,6 +135,7 @@ class IterationContext:
         self.inputs_in_flight: deque[PendingReduce] = deque()  # whose reduce-scatter input is still held
         self.end_of_backward_queued = False
         self.is_last_backward = True  # False: leave reductions in flight past this backward (micro-batching)
+        self.graph_kept = False  # a backward with create_graph=True left groups unsharded ([Note: Double backward])
         self.post_optim_event: torch.Event | None = None
         # Implicit prefetch: how many groups ahead, and when in backward.
         self.forward_prefetch_depth = 1
@@ -161,7 +174,7 @@ class IterationContext:
             self.backward_next = _following(self.post_order[::-1], self.backward_prefetch_depth)
         for state in self.states:
             group = state.group
-            if group is None or group.state in (ShardedState.SHARDED, ShardedState.SHARDED_POST_FORWARD):
+            if group is None or self.graph_kept or group.state in (ShardedState.SHARDED, ShardedState.SHARDED_POST_FORWARD):
                 continue
             if state not in self._seen_pre or (state.reshard_after_forward and not state.is_root):
                 # A prefetch for a module that did not run, or a list group some of whose modules did not.
@@ -196,17 +209,19 @@ class IterationContext:
         self.inputs_in_flight.append(pending)
 
     def end_of_backward(self) -> None:
+        keep = torch.is_grad_enabled()  # create_graph=True: the graph it made holds the unsharded parameters
         with profiled("end_of_backward"):
             for state in self.states:
                 group = state.group
                 if group is not None and (
                     state.training_state is TrainingState.PRE_BACKWARD
-                    or (group.state is not ShardedState.SHARDED and state.reshard_after_backward)
+                    or (not keep and group.state is not ShardedState.SHARDED and state.reshard_after_backward)
                     or group.reducer.has_partial_sums_due
                 ):
                     state.post_backward(in_backward_pass=False)
                 state.training_state = TrainingState.IDLE
                 state.calls_awaiting_backward = 0
+            self.graph_kept = keep
             if self.is_last_backward:
                 self.drain_reduces()
             self.streams.host_wait(self.streams.h2d_done)  # the optimizer may write the pinned shards next
@@ -241,6 +256,8 @@ class IterationContext:
         self.end_of_backward_queued = False
 
     def reshard_all(self) -> None:
+        if self.graph_kept:
+            return
         for state in self.states:
             if state.group is not None:
                 state.group.reshard()
@@ -418,7 +435,8 @@ class HookState:
             return output
         ctx = self.ctx
         assert ctx is not None
-        if self.group is not None and self.reshard_after_forward and self._last_module_to_run(module):
+        if self.group is not None and self.reshard_after_forward and self._last_module_to_run(module) and \
+                not ctx.graph_kept:
             self.group.reshard_post_forward()
         if self.mp_policy.output_dtype is not None:
             output = _cast_floats(output, self.mp_policy.output_dtype)
@@ -536,9 +554,13 @@ class HookState:
         if self.group is None:
             self.training_state = TrainingState.IDLE
             return
+        if in_backward_pass and self.ctx.graph_kept:
+            # [Note: Double backward]: gradients may still arrive through the kept graph; reduce at the end.
+            self.training_state = TrainingState.PRE_BACKWARD
+            return
         self.training_state = TrainingState.POST_BACKWARD
         with profiled("post_backward", self.label):
-            if self.reshard_after_backward:
+            if self.reshard_after_backward and not torch.is_grad_enabled():
                 self.group.reshard()
             if in_backward_pass:
                 self._prefetch(self._backward_targets(BackwardPrefetchMode.POST), backward=True)
