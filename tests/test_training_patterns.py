@@ -213,11 +213,20 @@ def test_no_grad_and_eval_forward_leave_sharded() -> None:
 class CheckpointedBlocks(Transformer):
     """Checkpoints each sharded block from outside, so its forward hooks run again in backward."""
 
+    reentrant = False
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
         for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=False)
+            x = checkpoint(block, x, use_reentrant=self.reentrant)
         return self.head(self.norm(x))
+
+
+class ReentrantCheckpointedBlocks(CheckpointedBlocks):
+    """Reentrant checkpoints (Hugging Face's gradient checkpointing default): each block's first forward runs
+    without grad, and its gradients come from a backward nested in the outer one."""
+
+    reentrant = True
 
 
 def _checkpoint_inside(rank: int, world_size: int) -> None:
@@ -230,7 +239,28 @@ def _checkpoint_around(rank: int, world_size: int) -> None:
     assert_all_sharded(model)
 
 
-@pytest.mark.parametrize("body", [_checkpoint_inside, _checkpoint_around], ids=["inside_block", "around_block"])
+def _checkpoint_around_reentrant(rank: int, world_size: int) -> None:
+    _, model = run_parity(rank, world_size, ReentrantCheckpointedBlocks, shard_transformer, token_batch, lm_loss)
+    assert_all_sharded(model)
+
+
+def checkpointed_mse(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    out = checkpoint(model, x.clone().requires_grad_(True), use_reentrant=True)
+    return torch.nn.functional.mse_loss(out, y)
+
+
+def _checkpoint_whole_model_reentrant(rank: int, world_size: int) -> None:
+    # The root's own forward runs without grad: no backward hook anywhere until the recomputation.
+    _, model = run_parity(rank, world_size, MLP, shard_mlp, regression_batch, checkpointed_mse)
+    assert_all_sharded(model)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [_checkpoint_inside, _checkpoint_around, _checkpoint_around_reentrant, _checkpoint_whole_model_reentrant],
+    ids=["inside_block", "around_block", "around_block_reentrant", "whole_model_reentrant"],
+)
 def test_activation_checkpointing(body) -> None:  # type: ignore[no-untyped-def]
     run_ranks(2, body)
 

@@ -400,9 +400,15 @@ class HookState:
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if in_backward():
-            # Activation-checkpoint recomputation: the group is already unsharded for backward.
+            # Activation-checkpoint recomputation. Non-reentrant: the group is already unsharded for backward.
+            # Reentrant (torch.utils.checkpoint(use_reentrant=True), as Hugging Face's gradient checkpointing
+            # uses by default): the first forward ran without grad, so no backward hook was registered, and
+            # the gradients come from a nested backward; the end of the outer backward reduces them.
             if self.group is not None:
                 self.group.unshard()
+                if self.ctx is not None and torch.is_grad_enabled() and not self.calls_awaiting_backward:
+                    self.training_state = TrainingState.PRE_BACKWARD
+                    self.ctx.queue_end_of_backward()
             return args, kwargs
         ctx = self.ctx if self.ctx is not None else self.lazy_init()
         if self.is_root:
