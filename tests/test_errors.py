@@ -50,7 +50,45 @@ def _bad_arguments(rank: int, world_size: int) -> None:
         fully_shard(tp)
 
 
-@pytest.mark.parametrize("body", [_twice, _bad_arguments])
+class Lion(torch.optim.Optimizer):
+    """An optimizer of the user's own (not one of torch's elementwise classes)."""
+
+    def __init__(self, params, lr: float = 1e-3) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:  # type: ignore[no-untyped-def,override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad.sign(), alpha=-group["lr"])
+
+
+def _optimizer_before_fully_shard(rank: int, world_size: int) -> None:
+    for make in (lambda params: torch.optim.AdamW(params), lambda params: torch.optim.SGD(params, lr=0.1, foreach=True),
+                 Lion):
+        model = MLP()
+        model.layers[2].bias.requires_grad_(False)
+        early = make(model.parameters())  # holds the originals that fully_shard replaces
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        mse_loss(model, regression_batch(torch.Generator().manual_seed(rank))).backward()
+        with pytest.raises(ValueError, match=r"holds the original parameter 'layers.0.weight', which fully_shard "
+                                             r"replaced .* Build the optimizer after fully_shard"):
+            early.step()
+        before = [p.full_tensor() for p in model.parameters()]
+        make(model.parameters()).step()  # built after: trains
+        assert all(not torch.equal(a, p.full_tensor()) for a, p in zip(before, model.parameters()) if p.requires_grad)
+    # Only frozen originals: nothing would train anyway, and the step goes on.
+    model = MLP()
+    frozen = [p.requires_grad_(False) for p in model.parameters()]
+    early = torch.optim.SGD(frozen, lr=0.1)
+    fully_shard(model)
+    early.step()
+
+
+@pytest.mark.parametrize("body", [_twice, _bad_arguments, _optimizer_before_fully_shard])
 def test_misuse_is_rejected(body) -> None:  # type: ignore[no-untyped-def]
     run_ranks(2, body)
 

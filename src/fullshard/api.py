@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import UnshardHandle as _TorchUnshardHandle
 from torch.distributed.tensor import DTensor, Shard
 
-from fullshard import local_step
+from fullshard import local_step, replaced
 from fullshard.codec import QuantizedCommPolicy, make_codecs, validate_comm_policy
 from fullshard.collectives import CommStreams
 from fullshard.errors import AlreadyShardedError, UnsupportedError, UsageError, expect_bool, expect_positive
@@ -115,6 +115,7 @@ def fully_shard(
         raise TypeError(f"ignored_params must be a set of parameters, got {type(ignored_params).__name__}")
     mesh_info = resolve_mesh(mesh, dp_mesh_dims)
     local_step.install()  # torch's elementwise optimizers step fullshard's parameters locally
+    replaced.install()  # an optimizer built before fully_shard raises instead of training nothing
     device = mesh_device(mesh_info.mesh)
     reshard_after_forward, post_forward_size = _resolve_reshard_after_forward(reshard_after_forward, mesh_info)
 
