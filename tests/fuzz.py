@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from tests.wrapper_weight import WrapperWeight
 
@@ -84,6 +85,10 @@ class Case:
     resume_ws: int = 0  # save after step 1 and continue at this world size (0: no checkpoint)
     tp: bool = False  # 4 ranks as a (2, 2) mesh: blocks' linear layers column-parallel on "tp", sharded on "dp"
     extension: bool = False  # block 0's linear weight a tensor subclass with FSDP2's all-gather hooks
+    user: str = "none"  # what the training code does around the blocks: none | view_out (each block returns a
+    # view, changed in place after it) | inplace_inputs (each block scales its input in place) | penalty (an
+    # input-gradient penalty through a create_graph backward on even steps) | reentrant (each block under a
+    # reentrant activation checkpoint)
 
     def describe(self) -> str:
         plain = Case(self.seed)
@@ -109,10 +114,11 @@ class Case:
     @property
     def fsdp2_supported(self) -> bool:
         """Whether torch's FSDP2 trains this case (it rejects ties across groups, zero-element parameters,
-        parameters used on some ranks only, fullshard's own optimizers, EMA and quantized communication)."""
+        parameters used on some ranks only, fullshard's own optimizers, EMA and quantized communication; it fails
+        on changed output views and inputs and on a double backward)."""
         return (self.tie in ("none", "within") and not self.zero_numel and self.branch != "ranks" and not self.mixed_dtype
                 and self.optim in ("sgd", "adamw") and self.clip != "fullshard" and not self.quantized
-                and not self.ema and self.resume_ws == 0)
+                and not self.ema and self.resume_ws == 0 and self.user == "none")
 
     @property
     def fsdp2_tolerance(self) -> dict[str, float]:
@@ -174,7 +180,7 @@ def draw(seed: int) -> Case:
         kw.update(tie=rng.choice(["none", "within"]), zero_numel=False, quantized=False, ema=False, mixed_dtype=False,
                   branch=rng.choice(["none", "steps", "param_steps"]), optim=rng.choice(["sgd", "adamw"]),
                   clip=rng.choice(["none", "torch"]))
-        return _draw_more(Case(seed, **kw))
+        return _draw_user(_draw_more(Case(seed, **kw)))
     if rng.random() < 0.12:
         kw["resume_ws"] = rng.choice([w for w in (1, 2, 4) if w != ws])
         kw["hsdp"], kw["reshard"] = False, "true" if kw["reshard"] == "int" else kw["reshard"]
@@ -182,7 +188,7 @@ def draw(seed: int) -> Case:
         kw["steps"] = max(kw["steps"], 3)
         kw["eval_pass"] = "all" if kw["eval_pass"] == "replica" else kw["eval_pass"]
         kw["scheduler"] = kw["ema"] = False  # their state is not part of the checkpoint
-    return _draw_more(Case(seed, **kw))
+    return _draw_user(_draw_more(Case(seed, **kw)))
 
 
 def _draw_more(case: Case) -> Case:
@@ -207,6 +213,18 @@ def _draw_more(case: Case) -> Case:
     return dataclasses.replace(case, **change)
 
 
+def _draw_user(case: Case) -> Case:
+    """What the training code does around the blocks, from a stream of its own; fp32 only (the bf16 reference
+    emulates a plain backward) and without tensor parallel."""
+    rng = random.Random(f"user-{case.seed}")
+    # Not a recomputation beside a branch taken on some ranks: the reference runs every rank's batch in one
+    # process, and recomputes each in backward with the branch of the last rank it ran.
+    options = ["view_out", "inplace_inputs", "penalty"] + (["reentrant"] if case.branch != "ranks" else [])
+    if rng.random() < 0.3 and case.mp == "none" and not case.quantized and not case.tp:
+        return dataclasses.replace(case, user=rng.choice(options))
+    return case
+
+
 # ---- the model -------------------------------------------------------------------------------------
 
 
@@ -227,6 +245,8 @@ class Block(nn.Module):
         self.step = 0
 
     def forward(self, x: torch.Tensor) -> Any:
+        if self.case.user == "inplace_inputs":
+            x = x.mul_(0.9)
         h = self.lin(x.to(self.lin.weight.dtype)).to(x.dtype)
         if self.norm is not None:
             h = self.norm(h)
@@ -237,6 +257,10 @@ class Block(nn.Module):
         h = torch.tanh(h)
         if self.case.buffers:
             h = h * self.scale.to(h.dtype)  # buffers keep their dtype under mixed precision
+        if self.case.user in ("view_out", "inplace_inputs"):
+            h = h * 1.0  # a result no backward saves (tanh saves its output), so it may change in place
+            if self.case.user == "view_out":
+                h = h.view(-1).view(h.shape)
         return (h, {"aux": h.mean()}) if self.case.container else h
 
 
@@ -261,10 +285,12 @@ class Net(nn.Module):
         for i, block in enumerate(self.blocks):
             if self.case.branch == "steps" and i == len(self.blocks) - 1 and i > 0 and self.step % 2:
                 continue
-            h = block(h)
+            h = checkpoint(block, h, use_reentrant=True) if self.case.user == "reentrant" else block(h)
             if self.case.container:
                 h, extra = h
                 aux = aux + extra["aux"]
+            if self.case.user == "view_out":
+                h.add_(0.05)
         if h.shape[-1] != self.case.widths[-1]:  # the last block was skipped: pad or crop to the model's width
             h = F.pad(h, (0, self.case.widths[-1] - h.shape[-1]))
         return self.post(h) + 0.1 * aux
@@ -300,6 +326,11 @@ def world_sizes(case: Case) -> list[int]:
 
 def loss_of(model: Net, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     x, y = batch
+    if model.case.user == "penalty" and model.step % 2 == 0:
+        x = x.clone().requires_grad_(True)
+        out = model(x).float()
+        (grad_x,) = torch.autograd.grad(out.square().sum(), x, create_graph=True)
+        return F.mse_loss(out, y) + 0.05 * grad_x.square().sum()
     return F.mse_loss(model(x).float(), y)
 
 
