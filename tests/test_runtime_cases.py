@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from fullshard import fully_shard
+from fullshard import FSDPModule, fully_shard
 from fullshard.group import ShardedState
 from fullshard.runtime import state_of, states_in
 from tests.comm import CommRecorder
@@ -211,37 +211,30 @@ class TanhStack(nn.Module):
         return self.out(h)
 
 
-class PenaltyEverySecondStep:
+def penalty_every_second_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """An input-gradient penalty (as WGAN-GP and R1 have it) on even steps, a plain loss on odd ones; a forward
-    runs between the penalty's create_graph backward and the final backward."""
-
-    def __init__(self, calls_per_step: int) -> None:
-        self.calls, self.calls_per_step = 0, calls_per_step
-
-    def __call__(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        step, self.calls = self.calls // self.calls_per_step, self.calls + 1
-        x, y = batch
-        if step % 2:
-            return (model(x) - y).square().mean()
-        x = x.clone().requires_grad_(True)
-        pred = model(x)
-        (grad_x,) = torch.autograd.grad(pred.square().sum(), x, create_graph=True)
-        other = model(x.detach().flip(0))
-        return (pred - y).square().mean() + 0.1 * grad_x.square().sum() + 0.5 * other.square().mean()
+    runs between the penalty's create_graph backward and the final backward. The unsharded reference runs
+    every rank's batch in a step."""
+    calls = getattr(model, "loss_calls", 0)
+    model.loss_calls = calls + 1
+    step = calls // (1 if isinstance(model, FSDPModule) else dist.get_world_size())
+    x, y = batch
+    if step % 2:
+        return (model(x) - y).square().mean()
+    x = x.clone().requires_grad_(True)
+    pred = model(x)
+    (grad_x,) = torch.autograd.grad(pred.square().sum(), x, create_graph=True)
+    other = model(x.detach().flip(0))
+    return (pred - y).square().mean() + 0.1 * grad_x.square().sum() + 0.5 * other.square().mean()
 
 
 def _double_backward(rank: int, world_size: int, reshard: bool) -> None:
-    torch.manual_seed(0)
-    ref = TanhStack()
-    torch.manual_seed(0)
-    model = TanhStack()
-    for block in model.blocks:
-        fully_shard(block, reshard_after_forward=reshard)
-    fully_shard(model, reshard_after_forward=reshard)
-    batches = random_batches(4, world_size, regression_batch)
-    ref_trace = train(ref, batches, PenaltyEverySecondStep(world_size), rank=None)
-    trace = train(model, batches, PenaltyEverySecondStep(1), rank=rank)
-    assert_parity(ref_trace, trace, rank)
+    def shard(model: nn.Module) -> None:
+        for block in model.blocks:
+            fully_shard(block, reshard_after_forward=reshard)
+        fully_shard(model, reshard_after_forward=reshard)
+
+    _, model = run_parity(rank, world_size, TanhStack, shard, regression_batch, penalty_every_second_step, steps=4)
     assert all(s.group is None or s.group.state is ShardedState.SHARDED for s in states_in(model))
 
 

@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import UnshardHandle as _TorchUnshardHandle
 from torch.distributed.tensor import DTensor, Shard
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fullshard import local_step, replaced
 from fullshard.codec import QuantizedCommPolicy, make_codecs, validate_comm_policy
@@ -37,6 +38,17 @@ from fullshard.state_dict import register_state_dict_hooks
 log = logging.getLogger("fullshard")
 
 _ShardPlacementFn = Callable[[nn.Parameter], Shard | None]
+_optimizer_hooks_installed = False
+
+
+def _install_optimizer_hooks() -> None:
+    """Once per process, at the first ``fully_shard``: an optimizer still holding parameters that ``fully_shard``
+    replaced raises, and torch's elementwise optimizers step fullshard's parameters on their local shards."""
+    global _optimizer_hooks_installed
+    if not _optimizer_hooks_installed:
+        register_optimizer_step_pre_hook(replaced.refuse_replaced)
+        register_optimizer_step_pre_hook(local_step.pre_step)
+        _optimizer_hooks_installed = True
 
 
 @overload
@@ -114,8 +126,7 @@ def fully_shard(
     ):
         raise TypeError(f"ignored_params must be a set of parameters, got {type(ignored_params).__name__}")
     mesh_info = resolve_mesh(mesh, dp_mesh_dims)
-    local_step.install()  # torch's elementwise optimizers step fullshard's parameters locally
-    replaced.install()  # an optimizer built before fully_shard raises instead of training nothing
+    _install_optimizer_hooks()
     device = mesh_device(mesh_info.mesh)
     reshard_after_forward, post_forward_size = _resolve_reshard_after_forward(reshard_after_forward, mesh_info)
 

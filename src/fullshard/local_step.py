@@ -50,11 +50,10 @@ from typing import Any, cast
 
 import torch
 from torch.distributed.tensor import DTensor, Partial
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fullshard.group import group_of
 
-__all__ = ["install", "local_steps"]
+__all__ = ["local_steps", "pre_step"]
 
 # Classes whose step is elementwise in parameter, gradient and state, with state tensors
 # shaped like the parameter or 0-dim. Exact classes only: a subclass may add anything.
@@ -65,15 +64,6 @@ _ELEMENTWISE: frozenset[type] = frozenset({
 })
 
 _enabled = True
-_installed = False
-
-
-def install() -> None:
-    """Register the global pre-hook, once per process (from the first ``fully_shard``)."""
-    global _installed
-    if not _installed:
-        register_optimizer_step_pre_hook(_pre_step)
-        _installed = True
 
 
 def local_steps(enabled: bool) -> None:
@@ -117,9 +107,10 @@ def _servable(opt: torch.optim.Optimizer) -> bool:
     return owned
 
 
-def _pre_step(
+def pre_step(
     opt: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any],
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """The global optimizer step pre-hook (registered at the first ``fully_shard``): a stand-in for ``self``."""
     if not _enabled or type(opt) not in _ELEMENTWISE or torch.compiler.is_compiling():
         return None
     if args[0] is not opt or len(args) > 1 or kwargs.get("closure") is not None:

@@ -15,24 +15,14 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fullshard.param import claimant_of
 
-__all__ = ["install"]
-
-_installed = False
+__all__ = ["refuse_replaced"]
 
 
-def install() -> None:
-    """Register the global pre-hook, once per process (from the first ``fully_shard``)."""
-    global _installed
-    if not _installed:
-        register_optimizer_step_pre_hook(_refuse_replaced)
-        _installed = True
-
-
-def _refuse_replaced(opt: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+def refuse_replaced(opt: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """The global optimizer step pre-hook (registered at the first ``fully_shard``)."""
     if torch.compiler.is_compiling():
         return
     for group in opt.param_groups:
