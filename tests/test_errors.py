@@ -86,6 +86,16 @@ def _optimizer_before_fully_shard(rank: int, world_size: int) -> None:
     early = torch.optim.SGD(frozen, lr=0.1)
     fully_shard(model)
     early.step()
+    # An original still used outside fully_shard's reach (it has a gradient) steps as before.
+    model, outside = MLP(), nn.Linear(7, 13)
+    outside.weight = model.layers[0].weight
+    kept = outside.weight
+    early = torch.optim.SGD([kept], lr=0.1)
+    fully_shard(model)
+    outside(torch.ones(2, 7)).sum().backward()
+    before = kept.detach().clone()
+    early.step()
+    assert not torch.equal(before, kept)
 
 
 @pytest.mark.parametrize("body", [_twice, _bad_arguments, _optimizer_before_fully_shard])

@@ -6,7 +6,9 @@ followed by ``fully_shard(model)``) keeps the originals: they are no longer used
 the model, never get a gradient, and ``step()`` skips them, so nothing trains and
 nothing says so. A global optimizer step pre-hook, registered at the first
 ``fully_shard``, raises ``ValueError`` instead when an optimizer about to step holds
-a trainable original that a live sharded parameter replaced, naming it.
+a trainable original that a live sharded parameter replaced and that has no
+gradient, naming it. An original with a gradient is left alone: something still
+uses it (a module outside ``fully_shard``'s reach tied to it).
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ def refuse_replaced(opt: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: d
         return
     for group in opt.param_groups:
         for p in group["params"]:
-            if type(p) is DTensor or not p.requires_grad:
-                continue
+            if type(p) is DTensor or not p.requires_grad or p.grad is not None:
+                continue  # an original with a gradient is still used (tied to a module fully_shard did not take)
             sharded = claimant_of(p)
             if sharded is not None:
                 raise ValueError(
