@@ -115,10 +115,10 @@ class Case:
     def fsdp2_supported(self) -> bool:
         """Whether torch's FSDP2 trains this case (it rejects ties across groups, zero-element parameters,
         parameters used on some ranks only, fullshard's own optimizers, EMA and quantized communication; it fails
-        on changed output views and inputs and on a double backward)."""
+        on changed output views and inputs and on a double backward; reentrant checkpoints it trains)."""
         return (self.tie in ("none", "within") and not self.zero_numel and self.branch != "ranks" and not self.mixed_dtype
                 and self.optim in ("sgd", "adamw") and self.clip != "fullshard" and not self.quantized
-                and not self.ema and self.resume_ws == 0 and self.user == "none")
+                and not self.ema and self.resume_ws == 0 and self.user in ("none", "reentrant"))
 
     @property
     def fsdp2_tolerance(self) -> dict[str, float]:
