@@ -238,6 +238,31 @@ def _double_backward(rank: int, world_size: int, reshard: bool) -> None:
     assert all(s.group is None or s.group.state is ShardedState.SHARDED for s in states_in(model))
 
 
+def alternating_subsets(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """A GAN-style schedule by ``requires_grad``: even steps train the first block only, odd steps the rest."""
+    calls = getattr(model, "loss_calls", 0)
+    model.loss_calls = calls + 1
+    step = calls // (1 if isinstance(model, FSDPModule) else dist.get_world_size())
+    first = {id(p) for p in model.blocks[0].parameters()}
+    for p in model.parameters():
+        p.requires_grad_((id(p) in first) == (step % 2 == 0))
+    x, y = batch
+    return (model(x) - y).square().mean()
+
+
+def _alternating_subsets(rank: int, world_size: int) -> None:
+    def shard(model: nn.Module) -> None:
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+
+    run_parity(rank, world_size, TanhStack, shard, regression_batch, alternating_subsets, steps=4)
+
+
+def test_requires_grad_toggled_between_steps() -> None:
+    run_ranks(2, _alternating_subsets)
+
+
 @pytest.mark.parametrize("reshard", [True, False])
 def test_gradient_penalty_through_a_double_backward(reshard: bool) -> None:
     # FSDP2 frees the parameters that the create_graph backward's graph saved: the final backward fails.
