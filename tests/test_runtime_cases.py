@@ -3,6 +3,7 @@ sharded parameters (optimizer in backward), zero-element parameters, HSDP partia
 
 from __future__ import annotations
 
+import functools
 from collections import namedtuple
 from dataclasses import dataclass
 from typing import Any
@@ -74,10 +75,18 @@ class ContainerModel(nn.Module):
         return self.out(h)
 
 
-def shard_blocks(model: nn.Module) -> None:
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+def shard_blocks(model: nn.Module, reshard_after_forward: bool | None = None, also: tuple[str, ...] = ()) -> None:
+    """One group per block (and per module named in ``also``), one for the root."""
+    for block in [*model.blocks, *(getattr(model, name) for name in also)]:
+        fully_shard(block, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, reshard_after_forward=reshard_after_forward)
+
+
+def step_of(model: nn.Module) -> int:
+    """The training step of this loss call: the unsharded reference runs every rank's batch in a step."""
+    calls = getattr(model, "loss_calls", 0)
+    model.loss_calls = calls + 1
+    return calls // (1 if isinstance(model, FSDPModule) else dist.get_world_size())
 
 
 def _container_outputs(rank: int, world_size: int) -> None:
@@ -132,11 +141,7 @@ class ViewModel(nn.Module):
 
 
 def _view_outputs(rank: int, world_size: int, reshard: bool) -> None:
-    def shard(model: nn.Module) -> None:
-        for block in [*model.blocks, model.side]:
-            fully_shard(block, reshard_after_forward=reshard)
-        fully_shard(model, reshard_after_forward=reshard)
-
+    shard = functools.partial(shard_blocks, reshard_after_forward=reshard, also=("side",))
     run_parity(rank, world_size, ViewModel, shard, regression_batch, mse_loss)
 
 
@@ -174,11 +179,7 @@ class ScaleInPlace(nn.Module):
 
 
 def _in_place_inputs(rank: int, world_size: int) -> None:
-    def shard(model: nn.Module) -> None:
-        for block in [*model.blocks, model.scale]:
-            fully_shard(block)
-        fully_shard(model)
-
+    shard = functools.partial(shard_blocks, also=("scale",))
     run_parity(rank, world_size, InPlaceInputModel, shard, regression_batch, mse_loss)
     # Changing an input that an earlier operation saved for its backward is caught, as without sharding.
     torch.manual_seed(0)
@@ -213,13 +214,9 @@ class TanhStack(nn.Module):
 
 def penalty_every_second_step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """An input-gradient penalty (as WGAN-GP and R1 have it) on even steps, a plain loss on odd ones; a forward
-    runs between the penalty's create_graph backward and the final backward. The unsharded reference runs
-    every rank's batch in a step."""
-    calls = getattr(model, "loss_calls", 0)
-    model.loss_calls = calls + 1
-    step = calls // (1 if isinstance(model, FSDPModule) else dist.get_world_size())
+    runs between the penalty's create_graph backward and the final backward."""
     x, y = batch
-    if step % 2:
+    if step_of(model) % 2:
         return (model(x) - y).square().mean()
     x = x.clone().requires_grad_(True)
     pred = model(x)
@@ -229,20 +226,20 @@ def penalty_every_second_step(model: nn.Module, batch: tuple[torch.Tensor, torch
 
 
 def _double_backward(rank: int, world_size: int, reshard: bool) -> None:
-    def shard(model: nn.Module) -> None:
-        for block in model.blocks:
-            fully_shard(block, reshard_after_forward=reshard)
-        fully_shard(model, reshard_after_forward=reshard)
-
+    shard = functools.partial(shard_blocks, reshard_after_forward=reshard)
     _, model = run_parity(rank, world_size, TanhStack, shard, regression_batch, penalty_every_second_step, steps=4)
     assert all(s.group is None or s.group.state is ShardedState.SHARDED for s in states_in(model))
 
 
+@pytest.mark.parametrize("reshard", [True, False])
+def test_gradient_penalty_through_a_double_backward(reshard: bool) -> None:
+    # FSDP2 frees the parameters that the create_graph backward's graph saved: the final backward fails.
+    run_ranks(2, _double_backward, reshard)
+
+
 def alternating_subsets(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """A GAN-style schedule by ``requires_grad``: even steps train the first block only, odd steps the rest."""
-    calls = getattr(model, "loss_calls", 0)
-    model.loss_calls = calls + 1
-    step = calls // (1 if isinstance(model, FSDPModule) else dist.get_world_size())
+    step = step_of(model)
     first = {id(p) for p in model.blocks[0].parameters()}
     for p in model.parameters():
         p.requires_grad_((id(p) in first) == (step % 2 == 0))
@@ -251,22 +248,11 @@ def alternating_subsets(model: nn.Module, batch: tuple[torch.Tensor, torch.Tenso
 
 
 def _alternating_subsets(rank: int, world_size: int) -> None:
-    def shard(model: nn.Module) -> None:
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
-
-    run_parity(rank, world_size, TanhStack, shard, regression_batch, alternating_subsets, steps=4)
+    run_parity(rank, world_size, TanhStack, shard_blocks, regression_batch, alternating_subsets, steps=4)
 
 
 def test_requires_grad_toggled_between_steps() -> None:
     run_ranks(2, _alternating_subsets)
-
-
-@pytest.mark.parametrize("reshard", [True, False])
-def test_gradient_penalty_through_a_double_backward(reshard: bool) -> None:
-    # FSDP2 frees the parameters that the create_graph backward's graph saved: the final backward fails.
-    run_ranks(2, _double_backward, reshard)
 
 
 # ---- a list of modules is one group: one all-gather and one reduce-scatter per pass -----------------

@@ -234,14 +234,13 @@ def _checkpoint_inside(rank: int, world_size: int) -> None:
     run_parity(rank, world_size, build, shard_transformer, token_batch, lm_loss)
 
 
-def _checkpoint_around(rank: int, world_size: int) -> None:
-    _, model = run_parity(rank, world_size, CheckpointedBlocks, shard_transformer, token_batch, lm_loss)
+def _checkpoint_around(rank: int, world_size: int, build: type[CheckpointedBlocks] = CheckpointedBlocks) -> None:
+    _, model = run_parity(rank, world_size, build, shard_transformer, token_batch, lm_loss)
     assert_all_sharded(model)
 
 
 def _checkpoint_around_reentrant(rank: int, world_size: int) -> None:
-    _, model = run_parity(rank, world_size, ReentrantCheckpointedBlocks, shard_transformer, token_batch, lm_loss)
-    assert_all_sharded(model)
+    _checkpoint_around(rank, world_size, ReentrantCheckpointedBlocks)
 
 
 def checkpointed_mse(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

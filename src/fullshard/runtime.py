@@ -172,9 +172,11 @@ class IterationContext:
             self._planned_from = (self.pre_order, self.post_order)
             self.forward_next = _following(self.pre_order, self.forward_prefetch_depth)
             self.backward_next = _following(self.post_order[::-1], self.backward_prefetch_depth)
+        if self.graph_kept:  # [Note: Double backward]
+            return
         for state in self.states:
             group = state.group
-            if group is None or self.graph_kept or group.state in (ShardedState.SHARDED, ShardedState.SHARDED_POST_FORWARD):
+            if group is None or group.state in (ShardedState.SHARDED, ShardedState.SHARDED_POST_FORWARD):
                 continue
             if state not in self._seen_pre or (state.reshard_after_forward and not state.is_root):
                 # A prefetch for a module that did not run, or a list group some of whose modules did not.
@@ -441,9 +443,9 @@ class HookState:
             return output
         ctx = self.ctx
         assert ctx is not None
-        if self.group is not None and self.reshard_after_forward and self._last_module_to_run(module) and \
-                not ctx.graph_kept:
-            self.group.reshard_post_forward()
+        group = self.group
+        if group is not None and self.reshard_after_forward and self._last_module_to_run(module) and not ctx.graph_kept:
+            group.reshard_post_forward()
         if self.mp_policy.output_dtype is not None:
             output = _cast_floats(output, self.mp_policy.output_dtype)
         needs_backward = self._register_pre_backward(output)
