@@ -6,7 +6,9 @@ steps or some ranks, buffers, a list group, a nested ``fully_shard``, outputs in
 (mixed precision, CPU offload, ``reshard_after_forward`` bool or int, an HSDP mesh, ``QuantizedCommPolicy``)
 and a schedule (gradient accumulation with sync toggles, evaluation passes on all ranks or one replica,
 manual ``unshard()``, torch's or fullshard's SGD / AdamW, param groups splitting fullshard groups, an lr
-scheduler, clipping, EMA, a DCP checkpoint saved mid-run and loaded at another world size).
+scheduler, clipping, EMA, a DCP checkpoint saved mid-run and loaded at another world size), how the model
+starts (built on the meta device and initialised after sharding, shard by shard or from rank 0's full state
+dict) and explicit forward / backward prefetching.
 
 Every case trains sharded on gloo ranks and unsharded in this process on the same batches; every step's
 losses and full gradients and the final full parameters (and EMA averages) must agree (fp32: 1e-5; bf16
@@ -89,6 +91,10 @@ class Case:
     # view, changed in place after it) | inplace_inputs (each block scales its input in place) | penalty (an
     # input-gradient penalty through a create_graph backward on even steps) | reentrant (each block under a
     # reentrant activation checkpoint)
+    init: str = "plain"  # plain | meta_copy (built on the meta device, sharded, to_empty, each shard copied from
+    # the full values, as torchtitan's init_weights) | meta_broadcast (the same, loaded with set_model_state_dict
+    # from rank 0's full state dict, as torchtune and Accelerate); a resumed run starts on meta and loads only
+    prefetch: bool = False  # each block prefetches the next in forward and the previous in backward explicitly
 
     def describe(self) -> str:
         plain = Case(self.seed)
@@ -180,7 +186,7 @@ def draw(seed: int) -> Case:
         kw.update(tie=rng.choice(["none", "within"]), zero_numel=False, quantized=False, ema=False, mixed_dtype=False,
                   branch=rng.choice(["none", "steps", "param_steps"]), optim=rng.choice(["sgd", "adamw"]),
                   clip=rng.choice(["none", "torch"]))
-        return _draw_user(_draw_more(Case(seed, **kw)))
+        return _draw_start(_draw_user(_draw_more(Case(seed, **kw))))
     if rng.random() < 0.12:
         kw["resume_ws"] = rng.choice([w for w in (1, 2, 4) if w != ws])
         kw["hsdp"], kw["reshard"] = False, "true" if kw["reshard"] == "int" else kw["reshard"]
@@ -188,7 +194,7 @@ def draw(seed: int) -> Case:
         kw["steps"] = max(kw["steps"], 3)
         kw["eval_pass"] = "all" if kw["eval_pass"] == "replica" else kw["eval_pass"]
         kw["scheduler"] = kw["ema"] = False  # their state is not part of the checkpoint
-    return _draw_user(_draw_more(Case(seed, **kw)))
+    return _draw_start(_draw_user(_draw_more(Case(seed, **kw))))
 
 
 def _draw_more(case: Case) -> Case:
@@ -223,6 +229,13 @@ def _draw_user(case: Case) -> Case:
     if rng.random() < 0.3 and case.mp == "none" and not case.quantized and not case.tp:
         return dataclasses.replace(case, user=rng.choice(options))
     return case
+
+
+def _draw_start(case: Case) -> Case:
+    """How the model starts (meta-device initialisation) and explicit prefetching, from a stream of their own."""
+    rng = random.Random(f"start-{case.seed}")
+    init = rng.choice(["plain", "plain", "plain", "plain", "meta_copy", "meta_broadcast"])
+    return dataclasses.replace(case, init=init, prefetch=rng.random() < 0.25)
 
 
 # ---- the model -------------------------------------------------------------------------------------
@@ -309,6 +322,33 @@ def build(case: Case) -> Net:
     if case.mixed_dtype:
         model.blocks[0].lin.double()
     return model
+
+
+def build_on_meta(case: Case) -> Net:
+    with torch.device("meta"):
+        model = Net(case)
+    if case.mixed_dtype:
+        model.blocks[0].lin.double()
+    return model
+
+
+def materialize(case: Case, model: Net) -> None:
+    """Allocate a model sharded on the meta device and give it :func:`build`'s values, as the case's start-up says."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    model.to_empty(device="cpu")
+    if case.init == "meta_broadcast":
+        values = build(case).state_dict() if dist.get_rank() == 0 else {}
+        set_model_state_dict(model, values, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        return
+    values = build(case).state_dict()  # the same on every rank: each takes its shard without communication
+    with torch.no_grad():
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            full_value = values[name].to(t.dtype)
+            if isinstance(t, DTensor):
+                full_value = distribute_tensor(full_value, t.device_mesh, t.placements, src_data_rank=None)
+            t.copy_(full_value)
 
 
 def batches(case: Case, world_sizes: list[int]) -> list[list[list[tuple[torch.Tensor, torch.Tensor]]]]:
@@ -451,6 +491,10 @@ def shard(case: Case, model: Net, impl: str) -> None:
     fully_shard(model, **root)
     if case.tie == "after":
         model.post.weight = model.pre.weight
+    if case.prefetch:
+        for before, after in zip(blocks, blocks[1:]):
+            before.set_modules_to_forward_prefetch([after])
+            after.set_modules_to_backward_prefetch([before])
 
 
 # ---- one training run ---------------------------------------------------------------------------------
@@ -620,8 +664,12 @@ def sharded(case: Case, rank: int, impl: str, phase: int, ckpt: str) -> Record:
 
     import fullshard
 
-    model = build(case)
+    model = build(case) if case.init == "plain" else build_on_meta(case)
     shard(case, model, impl)
+    if case.init != "plain" and phase == 0:
+        materialize(case, model)
+    elif case.init != "plain":
+        model.to_empty(device="cpu")  # the checkpoint gives the values
     opt = make_optim(case, model, reference=False)
     sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.7) if case.scheduler else None
     ema = fullshard.EMA(model, 0.8) if case.ema else None

@@ -16,7 +16,8 @@ def test_draws_are_reproducible_and_varied() -> None:
     for field, values in (("world_size", {2, 4}), ("tie", {"none", "within", "across", "after"}),
                           ("mp", {"none", "bf16", "bf16_fp32_reduce"}), ("resume_ws", {0, 1, 2, 4}),
                           ("optim", {"sgd", "adamw", "fs_adamw", "fs_sgd", "muon"}), ("eval_pass", {"none", "all", "replica"}),
-                          ("tp", {False, True}), ("extension", {False, True})):
+                          ("tp", {False, True}), ("extension", {False, True}),
+                          ("init", {"plain", "meta_copy", "meta_broadcast"}), ("prefetch", {False, True})):
         assert {getattr(c, field) for c in cases} >= values, field
     assert sum(c.fsdp2_supported for c in cases) > CI_CASES // 5
     assert Case(3).describe() == "Case(seed=3)"
