@@ -8,7 +8,8 @@ and a schedule (gradient accumulation with sync toggles, evaluation passes on al
 manual ``unshard()``, torch's or fullshard's SGD / AdamW, param groups splitting fullshard groups, an lr
 scheduler, clipping, EMA, a DCP checkpoint saved mid-run and loaded at another world size), how the model
 starts (built on the meta device and initialised after sharding, shard by shard or from rank 0's full state
-dict) and explicit forward / backward prefetching.
+dict), explicit forward / backward prefetching, a block applied twice per forward and non-reentrant activation checkpoints inside or around
+the sharded blocks.
 
 Every case trains sharded on gloo ranks and unsharded in this process on the same batches; every step's
 losses and full gradients and the final full parameters (and EMA averages) must agree (fp32: 1e-5; bf16
@@ -95,6 +96,9 @@ class Case:
     # the full values, as torchtitan's init_weights) | meta_broadcast (the same, loaded with set_model_state_dict
     # from rank 0's full state dict, as torchtune and Accelerate); a resumed run starts on meta and loads only
     prefetch: bool = False  # each block prefetches the next in forward and the previous in backward explicitly
+    reuse: bool = False  # a square block, a group of its own, applied twice in every forward
+    ac: str = "none"  # non-reentrant activation checkpoints: none | inside (each block's body, under its hooks, as
+    # torchtitan wraps a block before sharding it) | outside (around each sharded block: its hooks run again)
 
     def describe(self) -> str:
         plain = Case(self.seed)
@@ -121,10 +125,14 @@ class Case:
     def fsdp2_supported(self) -> bool:
         """Whether torch's FSDP2 trains this case (it rejects ties across groups, zero-element parameters,
         parameters used on some ranks only, fullshard's own optimizers, EMA and quantized communication; it fails
-        on changed output views and inputs and on a double backward; reentrant checkpoints it trains)."""
+        on changed output views and inputs and on a double backward; reentrant checkpoints it trains, except
+        around a block applied twice, whose gradients it gets wrong). A block applied twice with bf16 gradients
+        accumulated over micro-batches: FSDP2 adds them in another order, and the sum of a few large bf16 terms
+        can round a small gradient apart by a unit of those terms, so only the reference compares."""
         return (self.tie in ("none", "within") and not self.zero_numel and self.branch != "ranks" and not self.mixed_dtype
                 and self.optim in ("sgd", "adamw") and self.clip != "fullshard" and not self.quantized
-                and not self.ema and self.resume_ws == 0 and self.user in ("none", "reentrant"))
+                and not self.ema and self.resume_ws == 0 and self.user in ("none", "reentrant")
+                and not (self.reuse and (self.user == "reentrant" or (self.mp == "bf16" and self.accumulation > 1))))
 
     @property
     def fsdp2_tolerance(self) -> dict[str, float]:
@@ -235,7 +243,13 @@ def _draw_start(case: Case) -> Case:
     """How the model starts (meta-device initialisation) and explicit prefetching, from a stream of their own."""
     rng = random.Random(f"start-{case.seed}")
     init = rng.choice(["plain", "plain", "plain", "plain", "meta_copy", "meta_broadcast"])
-    return dataclasses.replace(case, init=init, prefetch=rng.random() < 0.25)
+    prefetch = rng.random() < 0.25
+    # Recomputation changes a block's input in place twice, and reruns a branch taken on some ranks with the
+    # last rank's choice in the reference (which runs every rank's batch in one process).
+    ac = rng.choice(["none", "none", "none", "inside", "outside"])
+    if case.user in ("reentrant", "inplace_inputs") or case.branch == "ranks":
+        ac = "none"
+    return dataclasses.replace(case, init=init, prefetch=prefetch, ac=ac, reuse=rng.random() < 0.2)
 
 
 # ---- the model -------------------------------------------------------------------------------------
@@ -258,6 +272,11 @@ class Block(nn.Module):
         self.step = 0
 
     def forward(self, x: torch.Tensor) -> Any:
+        if self.case.ac == "inside":
+            return checkpoint(self.body, x, use_reentrant=False)
+        return self.body(x)
+
+    def body(self, x: torch.Tensor) -> Any:
         if self.case.user == "inplace_inputs":
             x = x.mul_(0.9)
         h = self.lin(x.to(self.lin.weight.dtype)).to(x.dtype)
@@ -285,6 +304,8 @@ class Net(nn.Module):
         self.pre = nn.Linear(d, d, bias=False)
         self.blocks = nn.ModuleList(Block(case, i, a, b) for i, (a, b) in enumerate(zip(case.widths, case.widths[1:])))
         self.post = nn.Linear(d, d, bias=False)
+        if case.reuse:
+            self.twice = Block(case, -1, d, d)
         if case.tie != "none":  # ("after": untied while sharding, see shard())
             self.post.weight = self.pre.weight
         if case.frozen:
@@ -295,18 +316,27 @@ class Net(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.pre(x)
         aux = h.new_zeros(())
+        for _ in range(2 if self.case.reuse else 0):
+            h, aux = self.run_block(self.twice, h, aux)
         for i, block in enumerate(self.blocks):
             if self.case.branch == "steps" and i == len(self.blocks) - 1 and i > 0 and self.step % 2:
                 continue
-            h = checkpoint(block, h, use_reentrant=True) if self.case.user == "reentrant" else block(h)
-            if self.case.container:
-                h, extra = h
-                aux = aux + extra["aux"]
-            if self.case.user == "view_out":
-                h.add_(0.05)
+            h, aux = self.run_block(block, h, aux)
         if h.shape[-1] != self.case.widths[-1]:  # the last block was skipped: pad or crop to the model's width
             h = F.pad(h, (0, self.case.widths[-1] - h.shape[-1]))
         return self.post(h) + 0.1 * aux
+
+    def run_block(self, block: Block, h: torch.Tensor, aux: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.case.user == "reentrant" or self.case.ac == "outside":
+            out = checkpoint(block, h, use_reentrant=self.case.user == "reentrant")
+        else:
+            out = block(h)
+        if self.case.container:
+            out, extra = out
+            aux = aux + extra["aux"]
+        if self.case.user == "view_out":
+            out.add_(0.05)
+        return out, aux
 
     def set_rank(self, rank: int) -> None:
         for block in self.blocks:
@@ -475,6 +505,8 @@ def shard(case: Case, model: Net, impl: str) -> None:
     if case.tie in ("across", "after"):
         fully_shard(model.pre, **inner)
         fully_shard(model.post, **inner)
+    if case.reuse:
+        fully_shard(model.twice, **inner)
     blocks = list(model.blocks)
     if case.nested:
         fully_shard(blocks[0].lin, **inner)

@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 from fullshard import FSDPModule, fully_shard
 from tests.harness import run_ranks
 from tests.models import MLP, Transformer, lm_loss, mse_loss
-from tests.parity import regression_batch, run_parity, token_batch
+from tests.parity import random_batches, regression_batch, run_parity, token_batch, train
 from tests.test_parity import shard_mlp, shard_transformer
 
 
@@ -243,6 +243,22 @@ def _checkpoint_around_reentrant(rank: int, world_size: int) -> None:
     _checkpoint_around(rank, world_size, ReentrantCheckpointedBlocks)
 
 
+class ReusedReentrant(Reused):
+    """One sharded block applied twice, each call under a reentrant checkpoint (a layer shared across depth, as
+    ALBERT's, with Hugging Face's gradient checkpointing)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        for _ in range(2):
+            h = torch.tanh(checkpoint(self.block, h, use_reentrant=True))
+        return self.out(h)
+
+
+def _checkpoint_reused_reentrant(rank: int, world_size: int) -> None:
+    _, model = run_parity(rank, world_size, ReusedReentrant, shard_reused, regression_batch, mse_loss)
+    assert_all_sharded(model)
+
+
 def checkpointed_mse(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     x, y = batch
     out = checkpoint(model, x.clone().requires_grad_(True), use_reentrant=True)
@@ -255,10 +271,35 @@ def _checkpoint_whole_model_reentrant(rank: int, world_size: int) -> None:
     assert_all_sharded(model)
 
 
+def _checkpoint_mixed_precision(rank: int, world_size: int) -> None:
+    """The recomputation runs a group's hooks again and must cast as the forward did: each MLP a group of its
+    own inside its checkpoint, bf16 parameters and inputs, fp32 outputs."""
+    from fullshard import MixedPrecisionPolicy
+
+    def shard(model: nn.Module) -> None:
+        for block in model.blocks:
+            fully_shard(block.mlp, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32))
+            fully_shard(block)
+        fully_shard(model)
+
+    batches = random_batches(3, world_size, token_batch)
+    traces = []
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        model = Transformer(checkpoint_mlp=checkpointed)
+        shard(model)
+        traces.append(train(model, batches, lm_loss, rank=rank))
+    plain, checkpointed = traces
+    torch.testing.assert_close(checkpointed.losses, plain.losses, rtol=0, atol=0)
+    torch.testing.assert_close(checkpointed.params, plain.params, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize(
     "body",
-    [_checkpoint_inside, _checkpoint_around, _checkpoint_around_reentrant, _checkpoint_whole_model_reentrant],
-    ids=["inside_block", "around_block", "around_block_reentrant", "whole_model_reentrant"],
+    [_checkpoint_inside, _checkpoint_around, _checkpoint_around_reentrant, _checkpoint_whole_model_reentrant,
+     _checkpoint_reused_reentrant, _checkpoint_mixed_precision],
+    ids=["inside_block", "around_block", "around_block_reentrant", "whole_model_reentrant", "reused_block_reentrant",
+         "mixed_precision"],
 )
 def test_activation_checkpointing(body) -> None:  # type: ignore[no-untyped-def]
     run_ranks(2, body)

@@ -411,7 +411,7 @@ class HookState:
                 if self.ctx is not None and torch.is_grad_enabled() and not self.calls_awaiting_backward:
                     self.training_state = TrainingState.PRE_BACKWARD
                     self.ctx.queue_end_of_backward()
-            return args, kwargs
+            return self._cast_inputs(args, kwargs)  # the recomputation must see what the forward saw
         ctx = self.ctx if self.ctx is not None else self.lazy_init()
         if self.is_root:
             if ctx.needs_recovery():
@@ -431,23 +431,29 @@ class HookState:
                 self.group.unshard()
                 targets = self.forward_prefetch
                 self._prefetch(ctx.forward_next.get(self, ()) if targets is None else targets, backward=False)
-        if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
-            args, kwargs = _cast_floats((args, kwargs), self.mp_policy.param_dtype)
+        args, kwargs = self._cast_inputs(args, kwargs)
         if torch.is_grad_enabled():
             self.calls_awaiting_backward += 1
             args, kwargs = self._wrap_inputs_for_post_backward(args, kwargs)
         return args, kwargs
 
+    def _cast_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
+            return _cast_floats((args, kwargs), self.mp_policy.param_dtype)
+        return args, kwargs
+
+    def _cast_output(self, output: Any) -> Any:
+        return output if self.mp_policy.output_dtype is None else _cast_floats(output, self.mp_policy.output_dtype)
+
     def _post_forward_hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         if in_backward():
-            return output
+            return self._cast_output(output)
         ctx = self.ctx
         assert ctx is not None
         group = self.group
         if group is not None and self.reshard_after_forward and self._last_module_to_run(module) and not ctx.graph_kept:
             group.reshard_post_forward()
-        if self.mp_policy.output_dtype is not None:
-            output = _cast_floats(output, self.mp_policy.output_dtype)
+        output = self._cast_output(output)
         needs_backward = self._register_pre_backward(output)
         self.training_state = TrainingState.IDLE
         ctx.record_post_forward(self)
