@@ -8,8 +8,8 @@ and a schedule (gradient accumulation with sync toggles, evaluation passes on al
 manual ``unshard()``, torch's or fullshard's SGD / AdamW, param groups splitting fullshard groups, an lr
 scheduler, clipping, EMA, a DCP checkpoint saved mid-run and loaded at another world size), how the model
 starts (built on the meta device and initialised after sharding, shard by shard or from rank 0's full state
-dict), explicit forward / backward prefetching, a block applied twice per forward and non-reentrant activation checkpoints inside or around
-the sharded blocks.
+dict), explicit forward / backward prefetching, a block applied twice per forward and non-reentrant
+activation checkpoints inside or around the sharded blocks.
 
 Every case trains sharded on gloo ranks and unsharded in this process on the same batches; every step's
 losses and full gradients and the final full parameters (and EMA averages) must agree (fp32: 1e-5; bf16
@@ -139,10 +139,26 @@ class Case:
         """bf16 reductions may round differently (fullshard's reduce-scatter input has flag columns, so gloo's
         ring splits it elsewhere): each step of a 4-rank bf16 sum rounds, so an element near zero whose terms
         cancel can be a few units of the tensor's largest element off; ``scaled``: that unit, times the
-        tensor's largest magnitude. fp32 reductions to 1e-6."""
+        tensor's largest magnitude. fp32 reductions to 1e-6; with a block applied twice 1e-5, as FSDP2 reduces each
+        call's gradients and adds the shards, where fullshard reduces their sum once (seed 1013, AdamW: 4.4e-6 apart
+        after four steps, each within 1.1e-5 of the unsharded model)."""
         if self.mp == "bf16":
             return {"rtol": 8e-3, "atol": 1e-4, "scaled": 2 * 2**-8}
+        if self.reuse:
+            return {"rtol": 1e-5, "atol": 1e-5}
         return {"rtol": 1e-6, "atol": 1e-6}
+
+    @property
+    def compared_steps(self) -> int:
+        """How many steps are compared with the reference (the final parameters too when all are). With quantized
+        communication and an optimizer that normalises its update (AdamW, Muon), the first step only: int8
+        rounding that flips the sign of a near-zero gradient moves that parameter a whole lr step either way, and
+        a LayerNorm over a few features multiplies it in the next step's gradients (seed 5866: 0.447 apart at
+        lr 0.01, 0.105 at 0.006, 0.020 at 0.001; the first step's gradients within 0.004). Later steps still
+        run, and must not raise."""
+        if self.quantized and self.optim in ("adamw", "fs_adamw", "muon"):
+            return 1
+        return self.steps
 
     @property
     def tolerance(self) -> dict[str, float]:
@@ -874,8 +890,9 @@ def judge(case: Case, records: dict[Key, list[Any]]) -> str | None:
                 micro = len(ref.losses[step]) // sizes[step]
                 return [ref.losses[step][m * sizes[step] + case.data_rank(rank)] for m in range(micro)]
 
-            failure = compare(ref, rec, steps, expected, f"{what} rank {rank}", case.tolerance,
-                              final=phase == 1 or not case.resume_ws)
+            compared = [step for step in steps if step < case.compared_steps]
+            failure = compare(ref, rec, compared, expected, f"{what} rank {rank}", case.tolerance,
+                              final=(phase == 1 or not case.resume_ws) and case.compared_steps == case.steps)
             if failure is not None:
                 return failure
     return None

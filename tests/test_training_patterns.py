@@ -276,18 +276,15 @@ def _checkpoint_mixed_precision(rank: int, world_size: int) -> None:
     own inside its checkpoint, bf16 parameters and inputs, fp32 outputs."""
     from fullshard import MixedPrecisionPolicy
 
-    def shard(model: nn.Module) -> None:
+    batches = random_batches(3, world_size, token_batch)
+    traces = []
+    for checkpoint_mlp in (False, True):
+        torch.manual_seed(0)
+        model = Transformer(checkpoint_mlp=checkpoint_mlp)
         for block in model.blocks:
             fully_shard(block.mlp, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32))
             fully_shard(block)
         fully_shard(model)
-
-    batches = random_batches(3, world_size, token_batch)
-    traces = []
-    for checkpointed in (False, True):
-        torch.manual_seed(0)
-        model = Transformer(checkpoint_mlp=checkpointed)
-        shard(model)
         traces.append(train(model, batches, lm_loss, rank=rank))
     plain, checkpointed = traces
     torch.testing.assert_close(checkpointed.losses, plain.losses, rtol=0, atol=0)

@@ -411,7 +411,7 @@ class HookState:
                 if self.ctx is not None and torch.is_grad_enabled() and not self.calls_awaiting_backward:
                     self.training_state = TrainingState.PRE_BACKWARD
                     self.ctx.queue_end_of_backward()
-            return self._cast_inputs(args, kwargs)  # the recomputation must see what the forward saw
+            return self._cast_inputs(*self._root_inputs(args, kwargs))  # what the forward saw
         ctx = self.ctx if self.ctx is not None else self.lazy_init()
         if self.is_root:
             if ctx.needs_recovery():
@@ -420,8 +420,7 @@ class HookState:
             ctx.start_forward()
             self.streams.shards_written(ctx.post_optim_event)  # the optimizer step (or the given event) came last
             ctx.post_optim_event = None
-            if self.device.type != "cpu":
-                args, kwargs = tree_map_only(torch.Tensor, lambda t: t.to(self.device, non_blocking=True), (args, kwargs))
+            args, kwargs = self._root_inputs(args, kwargs)
         self.training_state = TrainingState.FORWARD
         ctx.record_pre_forward(self)
         if self.group is not None:
@@ -435,6 +434,12 @@ class HookState:
         if torch.is_grad_enabled():
             self.calls_awaiting_backward += 1
             args, kwargs = self._wrap_inputs_for_post_backward(args, kwargs)
+        return args, kwargs
+
+    def _root_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The root moves its inputs to its device (a recomputation gets the inputs saved before the move)."""
+        if self.is_root and self.device.type != "cpu":
+            return tree_map_only(torch.Tensor, lambda t: t.to(self.device, non_blocking=True), (args, kwargs))
         return args, kwargs
 
     def _cast_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:

@@ -89,6 +89,24 @@ def test_bf16_mixed_precision_parity() -> None:
                 reference_casts(lm_loss, BF16, torch.float32), **BF16_TOL)
 
 
+def test_checkpoint_around_the_root_with_cpu_inputs() -> None:
+    """The root moves CPU inputs to the GPU in its forward, and again when a checkpoint around it recomputes
+    from the saved CPU inputs."""
+    from torch.utils.checkpoint import checkpoint
+
+    def loss(model: nn.Module, batch: Any) -> torch.Tensor:
+        x, y = batch
+        out = checkpoint(model, x, use_reentrant=False) if isinstance(model, FSDPModule) else model(x.cuda())
+        return nn.functional.mse_loss(out, y.cuda())
+
+    def shard(model: nn.Module) -> None:
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+
+    cuda_parity(MLP, shard, regression_batch, loss, **FP32_TOL)
+
+
 @pytest.mark.parametrize("mode", ["synced", "no_sync"])
 def test_cpu_offload_with_accumulation_parity(mode: str) -> None:
     from tests.test_grad_accumulation import two_micro_batches
