@@ -256,12 +256,14 @@ def _draw_user(case: Case) -> Case:
 
 
 def _draw_start(case: Case) -> Case:
-    """How the model starts (meta-device initialisation) and explicit prefetching, from a stream of their own."""
+    """How the model starts (meta-device initialisation), explicit prefetching, a block applied twice and
+    non-reentrant activation checkpoints, from a stream of their own."""
     rng = random.Random(f"start-{case.seed}")
     init = rng.choice(["plain", "plain", "plain", "plain", "meta_copy", "meta_broadcast"])
     prefetch = rng.random() < 0.25
-    # Recomputation changes a block's input in place twice, and reruns a branch taken on some ranks with the
-    # last rank's choice in the reference (which runs every rank's batch in one process).
+    # Not beside a reentrant checkpoint (one already), and no recomputation of a block that changes its input in
+    # place (it would change it twice) or of a branch taken on some ranks (the reference, which runs every rank's
+    # batch in one process, would recompute it with the last rank's choice).
     ac = rng.choice(["none", "none", "none", "inside", "outside"])
     if case.user in ("reentrant", "inplace_inputs") or case.branch == "ranks":
         ac = "none"
@@ -716,8 +718,8 @@ def sharded(case: Case, rank: int, impl: str, phase: int, ckpt: str) -> Record:
     shard(case, model, impl)
     if case.init != "plain" and phase == 0:
         materialize(case, model)
-    elif case.init != "plain":
-        model.to_empty(device="cpu")  # the checkpoint gives the values
+    elif case.init != "plain":  # a resumed run: the checkpoint gives the values
+        model.to_empty(device="cpu")
     opt = make_optim(case, model, reference=False)
     sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.7) if case.scheduler else None
     ema = fullshard.EMA(model, 0.8) if case.ema else None
