@@ -474,24 +474,33 @@ def _hsdp_partial_sums(rank: int, world_size: int) -> None:
     fully_shard(model, mesh=mesh)
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
     rec = CommRecorder(model)
-    for step, step_batches in enumerate(random_batches(2, world_size, regression_batch)):
+    for step, step_batches in enumerate(random_batches(3, world_size, regression_batch)):
         # Micro-batch 1 uses every parameter and keeps per-replica sums; micro-batch 2 uses neither `extra`
-        # nor the `side` group, and all-reduces: their partial sums must still arrive.
-        ref_loss = sum(mse_loss_gated(ref, b, True) + mse_loss_gated(ref, b, False) for b in step_batches)
+        # nor the `side` group, and all-reduces: their partial sums must still arrive. On step 1 neither
+        # micro-batch uses them: they keep grad None (a zero gradient would move them by SGD's momentum).
+        first_uses = step != 1
+        ref_loss = sum(mse_loss_gated(ref, b, first_uses) + mse_loss_gated(ref, b, False) for b in step_batches)
         (ref_loss / world_size).backward()
         model.set_requires_all_reduce(False)
-        mse_loss_gated(model, step_batches[rank], True).backward()
+        mse_loss_gated(model, step_batches[rank], first_uses).backward()
         assert rec.count("ar") == 0, rec.events
         model.set_requires_all_reduce(True)
         model.set_requires_gradient_sync(True)  # does not undo the all-reduce setting either way
         mse_loss_gated(model, step_batches[rank], False).backward()
         events = rec.take()
-        assert sum(e[0] == "ar" for e in events) == 2, events  # the root group and the side group
+        # The root group, and the side group where it ran (without partial sums it owes nothing).
+        assert sum(e[0] == "ar" for e in events) == (2 if first_uses else 1), events
+        params = dict(model.named_parameters())
+        assert {n for n, p in params.items() if p.grad is not None} == {n for n, p in ref.named_parameters()
+                                                                       if p.grad is not None}, step
         for n, p in ref.named_parameters():
-            torch.testing.assert_close(dict(model.named_parameters())[n].grad.full_tensor(), p.grad, msg=f"{step} {n}")
+            if p.grad is not None:
+                torch.testing.assert_close(params[n].grad.full_tensor(), p.grad, msg=f"{step} {n}")
         for o in (opt, ref_opt):
             o.step()
             o.zero_grad()
+        for n, p in ref.named_parameters():
+            torch.testing.assert_close(params[n].full_tensor(), p, msg=f"{step} {n}")
     rec.close()
 
 
@@ -501,7 +510,7 @@ def mse_loss_gated(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], u
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_hsdp_partial_sums_never_dropped(world_size: int) -> None:
+def test_hsdp_partial_sums_never_dropped_nor_made_up(world_size: int) -> None:
     run_ranks(world_size, _hsdp_partial_sums)
 
 

@@ -25,8 +25,10 @@ the reduction is drained (in-flight bound or end of backward), which issues
 the HSDP all-reduce, waited for at the end of backward.
 
 HSDP with ``requires_all_reduce=False`` keeps the reduce-scatter's result as a
-per-replica partial sum instead; the next reduction that all-reduces adds it
-first, also for parameters that got no gradient in that backward.
+per-replica partial sum instead, with its flag counts (below); the next
+reduction that all-reduces adds both first, also for parameters that got no
+gradient in that backward. A parameter no rank had a gradient for in any of
+those backwards keeps ``grad`` None, as unsharded.
 
 Parameters used on some ranks only (conditional compute, experts): every rank
 packs every trainable parameter of the group, zeros where it has no gradient,
@@ -222,6 +224,7 @@ class GradReducer:
         self._layouts: dict[tuple[bool, ...], GroupLayout] = {}  # by packed parameters; the flag columns last
         self._flags: dict[tuple[Any, ...], torch.Tensor] = {}  # flag rows, by (with gradient..., dtype)
         self._partial_sums: dict[ShardedParam, torch.Tensor] = {}  # HSDP: reduce-scattered, not yet all-reduced
+        self._partial_flags: dict[ShardedParam, torch.Tensor] = {}  # their flag counts (one element each)
         shard_group = group.mesh_info.shard_group
         self._nccl = shard_group is not None and dist.get_backend(shard_group) == "nccl"
 
@@ -257,8 +260,7 @@ class GradReducer:
         grads: list[torch.Tensor | None] = []
         for p in group.params:
             grad = p.unsharded_grad() if p.requires_grad else None
-            needs_zeros = settings.reduce_unused_params or (p in self._partial_sums and settings.all_reduces)
-            if grad is None and p.requires_grad and needs_zeros and p.accumulated_grad is None:
+            if grad is None and p.requires_grad and settings.reduce_unused_params and p.accumulated_grad is None:
                 grad = torch.zeros(p.layout.shape, dtype=group.compute_dtype, device=group.device)
             if p.accumulated_grad is not None:
                 if grad is not None:
@@ -300,12 +302,16 @@ class GradReducer:
         group, settings, streams = self.group, self.settings, self.group.streams
         taken = self._take_unsharded_grads()
         with_grad = tuple(g is not None for g in taken)
+        # Partial sums this reduction must all-reduce, with zeros where this backward gave no gradient.
+        owed = tuple(p in self._partial_sums and settings.all_reduces for p in group.params)
         flagged = settings.comm_hook is None
-        if not any(with_grad) and not (ran_backward and flagged and any(p.requires_grad for p in group.params)):
+        if not any(with_grad) and not any(owed) and not (
+            ran_backward and flagged and any(p.requires_grad for p in group.params)
+        ):
             return None
         # Every trainable parameter, zeros where this rank has no gradient, and the flag columns (see the
-        # Note); FSDP1 communication hooks get the gradients present only, as in FSDP1.
-        packed = tuple(g is not None or (flagged and p.requires_grad) for p, g in zip(group.params, taken))
+        # Note); FSDP1 communication hooks get the gradients present (and owed) only, as in FSDP1.
+        packed = tuple(g is not None or o or (flagged and p.requires_grad) for p, g, o in zip(group.params, taken, owed))
         layout = self._layouts.get(packed)
         if layout is None:
             layout = group.layout.subset(packed)
@@ -317,7 +323,8 @@ class GradReducer:
         kept = [g for g, keep in zip(taken, packed) if keep]
         if group.mixed:  # one reduce dtype for all ([Note: Mixed dtypes] in group.py)
             kept = [None if g is None else g.to(group.reduce_dtype) for g in kept]
-        missing = frozenset(i for i, g in enumerate(kept) if g is None)
+        # Without flags (a comm hook) only owed parameters are packed without a gradient: they are delivered.
+        missing = frozenset(i for i, g in enumerate(kept) if g is None) if flagged else frozenset()
         dtype = next((g.dtype for g in kept if g is not None), group.reduce_dtype)  # packed in one kernel: one dtype
         grads = [g if g is not None else torch.zeros(p.layout.shape, dtype=dtype, device=group.device)
                  for p, g in zip(params, kept)]
@@ -376,20 +383,30 @@ class GradReducer:
                     self._deliver(pending, reduced)
                     return
                 chunks = group.split(reduced, pending.layout)
+                # The flag counts go with the sums: a parameter no rank had a gradient for in any of the
+                # backwards keeps grad None.
+                flags = chunks[len(pending.params)] if len(chunks) > len(pending.params) else None
+                counts = [None if flags is None else flags.narrow(0, i, 1) for i in range(len(pending.params))]
                 if not settings.all_reduces:
                     # Keep the partial (per-replica) sums until a backward that all-reduces.
-                    for p, chunk in zip(pending.params, chunks):
-                        if p in self._partial_sums:
-                            self._partial_sums[p].add_(chunk)
-                        else:
-                            self._partial_sums[p] = chunk.clone()
+                    for p, chunk, count in zip(pending.params, chunks, counts):
+                        for kept, value in ((self._partial_sums, chunk), (self._partial_flags, count)):
+                            if value is None:
+                                continue
+                            if p in kept:
+                                kept[p].add_(value)
+                            else:
+                                kept[p] = value.clone()
                     pending.done = streams.record()
                     pending.stage = ReduceStage.DELIVERED
                     return
-                for p, chunk in zip(pending.params, chunks):
+                for p, chunk, count in zip(pending.params, chunks, counts):
                     partial = self._partial_sums.pop(p, None)
                     if partial is not None:
                         chunk.add_(partial)
+                    partial_count = self._partial_flags.pop(p, None)
+                    if partial_count is not None and count is not None:
+                        count.add_(partial_count)
                 scattered = streams.record()
             with streams.on(streams.all_reduce):
                 streams.wait(scattered)
@@ -462,6 +479,7 @@ class GradReducer:
             p.unsharded.grad = None
             p.accumulated_grad = None
         self._partial_sums.clear()
+        self._partial_flags.clear()
 
 
 def split_division(factor: float) -> tuple[float, float]:
