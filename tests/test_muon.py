@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 import fullshard
 from fullshard import fully_shard
@@ -58,20 +58,24 @@ def _train(model: nn.Module, opt: Pair, batches: list[list[Any]], rank: int | No
     return losses
 
 
-def shard(model: nn.Module) -> nn.Module:
+def shard(model: nn.Module, columns: bool = False) -> nn.Module:
+    """``columns``: the weights sharded on dim 1 (``shard_placement_fn``), the biases on dim 0."""
+    place = (lambda p: Shard(1) if p.ndim == 2 else None) if columns else None
     for layer in model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, shard_placement_fn=place)
+    fully_shard(model, shard_placement_fn=place)
     return model
 
 
-def _parity(rank: int, world_size: int) -> dict[str, int]:
-    dims = (7, 13, 5, 3)  # weights 13x7, 5x13, 3x5: uneven rows, and ranks with no rows at 4
+def _parity(rank: int, world_size: int, columns: bool) -> dict[str, int]:
+    # Rows: weights 13x7, 5x13, 3x5 (uneven rows, and ranks with no rows at 4). Columns: 8x8 (square), 12x8 (tall),
+    # 4x12 (wide), 3x4, all dividing among 2 and 4 ranks.
+    dims = (8, 8, 12, 4, 3) if columns else (7, 13, 5, 3)
     torch.manual_seed(0)
     ref = MLP(dims)
     torch.manual_seed(0)
-    model = shard(MLP(dims))
-    batches = random_batches(5, world_size, regression_batch)
+    model = shard(MLP(dims), columns)
+    batches = random_batches(5, world_size, lambda gen: regression_batch(gen, in_dim=dims[0]))
     ref_losses = _train(ref, Pair(ref, torch.optim.Muon), batches, None)
     calls = {"all_to_all": 0}
     orig = dist.all_to_all_single
@@ -93,12 +97,14 @@ def _parity(rank: int, world_size: int) -> dict[str, int]:
         torch.testing.assert_close(params[name], value, msg=lambda m: f"{name}: {m}", **BF16_TOL)
     buf = opt.muon.state[model.layers[0].weight]["momentum_buffer"]
     assert isinstance(buf, DTensor) and buf.placements == model.layers[0].weight.placements
+    assert buf.placements[0] == (Shard(1) if columns else Shard(0))
     return calls
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_muon_matches_torch_muon_unsharded(world_size: int) -> None:
-    for calls in run_ranks(world_size, _parity):
+@pytest.mark.parametrize("columns", [False, True], ids=["dim0", "dim1"])
+def test_muon_matches_torch_muon_unsharded(world_size: int, columns: bool) -> None:
+    for calls in run_ranks(world_size, _parity, columns):
         assert calls == {"all_to_all": 2 * 5}  # two all-to-alls per step: rows to the owners and back
 
 

@@ -17,6 +17,11 @@ compute. Instead, per param group and shard group:
 5. One more ``all_to_all_single`` returns every rank its rows of the result, which it
    applies locally (weight decay, then the update with torch's learning-rate adjustment).
 
+A matrix sharded on dim 1 (``shard_placement_fn``) travels as its transpose, whose rows
+are the columns each rank holds; the owner turns the stacked rows back into the matrix
+before Newton-Schulz (so the iterations are those of the unsharded matrix, square ones
+included) and sends each rank the rows of the result's transpose.
+
 Bytes on the wire per step: each matrix's bf16 rows travel to the owner and back, so
 about the fp32 gradient's size in all (at most 2x the matrices' gradient bytes), against
 ``world_size - 1`` shards of fp32 per rank for gathering everything everywhere.
@@ -25,11 +30,11 @@ about the fp32 gradient's size in all (at most 2x the matrices' gradient bytes),
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 __all__ = ["Muon"]
@@ -44,20 +49,22 @@ def _rows_on(rows: int, world_size: int, rank: int) -> int:
     return max(0, min(chunk, rows - rank * chunk))
 
 
-def _shard_group(p: torch.Tensor) -> dist.ProcessGroup | None:
-    """The group over which ``p``'s rows are split (dim-0 shards), None when this rank holds it whole."""
+def _sharding(p: torch.Tensor) -> tuple[dist.ProcessGroup, int] | None:
+    """The group over which ``p`` is split and the dim it is split on (0: rows, 1: columns), None when this
+    rank holds it whole."""
     if not isinstance(p, DTensor):
         return None
     axes = [axis for axis, placement in enumerate(p.placements) if not placement.is_replicate()]
     if not axes:
         return None
-    if len(axes) > 1 or not p.placements[axes[0]].is_shard(0):
+    placement = p.placements[axes[0]]
+    if len(axes) > 1 or not (placement.is_shard(0) or placement.is_shard(1)):
         raise NotImplementedError(
-            f"fullshard.optim.Muon orthogonalises matrices sharded on dim 0 over one mesh axis; got a parameter "
+            f"fullshard.optim.Muon orthogonalises matrices sharded on dim 0 or 1 over one mesh axis; got a parameter "
             f"with placements {p.placements} (tensor parallel is not supported)"
         )
     group = p.device_mesh.get_group(axes[0])
-    return None if dist.get_world_size(group) == 1 else group
+    return None if dist.get_world_size(group) == 1 else (group, cast(Shard, placement).dim)
 
 
 def owners(shapes: list[torch.Size], world_size: int) -> list[int]:
@@ -108,23 +115,31 @@ class Muon(torch.optim.Muon):
         """Each parameter's rows of the orthogonalised update (bf16)."""
         results: list[torch.Tensor | None] = [None] * len(params)
         by_group: dict[dist.ProcessGroup, list[int]] = {}
+        columns: set[int] = set()  # split on dim 1: orthogonalised as the transpose, split by rows
         for i, p in enumerate(params):
-            group = _shard_group(p)
-            if group is None:
+            sharding = _sharding(p)
+            if sharding is None:
                 results[i] = _zeropower_via_newtonschulz(updates[i], *ns)
-            else:
-                by_group.setdefault(group, []).append(i)
+                continue
+            group, dim = sharding
+            by_group.setdefault(group, []).append(i)
+            if dim == 1:
+                columns.add(i)
         for group, indices in by_group.items():
-            ortho = _orthogonalise_on(group, [params[i].shape for i in indices], [updates[i] for i in indices], ns)
-            for i, rows in zip(indices, ortho):
-                results[i] = rows
+            shapes = [torch.Size(reversed(params[i].shape)) if i in columns else params[i].shape for i in indices]
+            local = [updates[i].T if i in columns else updates[i] for i in indices]
+            transposed = [i in columns for i in indices]
+            for i, rows in zip(indices, _orthogonalise_on(group, shapes, local, ns, transposed)):
+                results[i] = rows.T if i in columns else rows
         return [r for r in results if r is not None]
 
 
 def _orthogonalise_on(
-    group: dist.ProcessGroup, shapes: list[torch.Size], updates: list[torch.Tensor], ns: tuple[Any, ...]
+    group: dist.ProcessGroup, shapes: list[torch.Size], updates: list[torch.Tensor], ns: tuple[Any, ...],
+    transposed: list[bool],
 ) -> list[torch.Tensor]:
-    """[Note: Sharded Muon] steps 2-5 for the matrices of one shard group (every rank calls it alike)."""
+    """[Note: Sharded Muon] steps 2-5 for the matrices of one shard group (every rank calls it alike);
+    ``shapes`` and ``updates`` as they travel, ``transposed`` where that is the matrix's transpose."""
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     owner = owners(shapes, world_size)
     device = updates[0].device
@@ -152,7 +167,13 @@ def _orthogonalise_on(
             n = rows(i, src) * cols[i]
             pieces[i].append(received.narrow(0, offset, n).view(rows(i, src), cols[i]))
             offset += n
-    ortho = {i: _zeropower_via_newtonschulz(torch.cat(pieces[i]), *ns) for i in mine}
+    ortho = {}
+    for i in mine:
+        whole = torch.cat(pieces[i])
+        if transposed[i]:
+            ortho[i] = _zeropower_via_newtonschulz(whole.T.contiguous(), *ns).T
+        else:
+            ortho[i] = _zeropower_via_newtonschulz(whole, *ns)
 
     # Step 5: every rank's rows back.
     starts = {i: [sum(rows(i, r) for r in range(s)) for s in range(world_size)] for i in mine}
