@@ -9,7 +9,9 @@ manual ``unshard()``, torch's or fullshard's SGD / AdamW, param groups splitting
 scheduler, clipping, EMA, a DCP checkpoint saved mid-run and loaded at another world size), how the model
 starts (built on the meta device and initialised after sharding, shard by shard or from rank 0's full state
 dict), explicit forward / backward prefetching, a block applied twice per forward and non-reentrant
-activation checkpoints inside or around the sharded blocks.
+activation checkpoints inside or around the sharded blocks, and FSDP2's finer controls (2-D weights sharded on
+dim 1, ``set_reshard_after_backward(False)`` between micro-batches, ``set_gradient_divide_factor``, HSDP
+all-reduces on the last micro-batch only).
 
 Every case trains sharded on gloo ranks and unsharded in this process on the same batches; every step's
 losses and full gradients and the final full parameters (and EMA averages) must agree (fp32: 1e-5; bf16
@@ -99,6 +101,10 @@ class Case:
     reuse: bool = False  # a square block, a group of its own, applied twice in every forward
     ac: str = "none"  # non-reentrant activation checkpoints: none | inside (each block's body, under its hooks, as
     # torchtitan wraps a block before sharding it) | outside (around each sharded block: its hooks run again)
+    dim1: bool = False  # shard_placement_fn: 2-D weights whose columns divide among the shard ranks on dim 1
+    keep_unsharded: bool = False  # with accumulation: set_reshard_after_backward(False) but on the last micro-batch
+    divide: bool = False  # set_gradient_divide_factor(2 x the data-parallel size) on every group: half the mean
+    all_reduce_last: bool = False  # HSDP, reducing every micro-batch: set_requires_all_reduce(False) but on the last
 
     def describe(self) -> str:
         plain = Case(self.seed)
@@ -210,7 +216,7 @@ def draw(seed: int) -> Case:
         kw.update(tie=rng.choice(["none", "within"]), zero_numel=False, quantized=False, ema=False, mixed_dtype=False,
                   branch=rng.choice(["none", "steps", "param_steps"]), optim=rng.choice(["sgd", "adamw"]),
                   clip=rng.choice(["none", "torch"]))
-        return _draw_start(_draw_user(_draw_more(Case(seed, **kw))))
+        return _draw_controls(_draw_start(_draw_user(_draw_more(Case(seed, **kw)))))
     if rng.random() < 0.12:
         kw["resume_ws"] = rng.choice([w for w in (1, 2, 4) if w != ws])
         kw["hsdp"], kw["reshard"] = False, "true" if kw["reshard"] == "int" else kw["reshard"]
@@ -218,7 +224,7 @@ def draw(seed: int) -> Case:
         kw["steps"] = max(kw["steps"], 3)
         kw["eval_pass"] = "all" if kw["eval_pass"] == "replica" else kw["eval_pass"]
         kw["scheduler"] = kw["ema"] = False  # their state is not part of the checkpoint
-    return _draw_start(_draw_user(_draw_more(Case(seed, **kw))))
+    return _draw_controls(_draw_start(_draw_user(_draw_more(Case(seed, **kw)))))
 
 
 def _draw_more(case: Case) -> Case:
@@ -268,6 +274,19 @@ def _draw_start(case: Case) -> Case:
     if case.user in ("reentrant", "inplace_inputs") or case.branch == "ranks":
         ac = "none"
     return dataclasses.replace(case, init=init, prefetch=prefetch, ac=ac, reuse=rng.random() < 0.2)
+
+
+def _draw_controls(case: Case) -> Case:
+    """Dim-1 sharding, parameters kept unsharded between micro-batches, a gradient divide factor and HSDP
+    all-reduces on the last micro-batch only, from a stream of their own. Dim-1 sharding not with tensor
+    parallel or an all-gather extension (both dim 0 only)."""
+    rng = random.Random(f"controls-{case.seed}")
+    change: dict[str, Any] = {"dim1": rng.random() < 0.25 and not case.tp and not case.extension,
+                              "keep_unsharded": case.accumulation > 1 and rng.random() < 0.4,
+                              "divide": rng.random() < 0.2}
+    if case.hsdp and case.accumulation > 1 and rng.random() < 0.5:  # reduce-scatters each micro-batch
+        change.update(sync_each=True, all_reduce_last=True)
+    return dataclasses.replace(case, **change)
 
 
 # ---- the model -------------------------------------------------------------------------------------
@@ -502,6 +521,11 @@ def shard(case: Case, model: Net, impl: str) -> None:
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
     if case.quantized:
         kw["comm_policy"] = QuantizedCommPolicy()
+    if case.dim1:
+        from torch.distributed.tensor import Shard
+
+        shard_size = 2 if case.hsdp else ws  # (resumed at another world size, other weights qualify)
+        kw["shard_placement_fn"] = lambda p: Shard(1) if p.ndim == 2 and p.shape[1] % shard_size == 0 else None
     inner = dict(kw)
     if case.reshard == "false":
         inner["reshard_after_forward"] = False
@@ -541,6 +565,10 @@ def shard(case: Case, model: Net, impl: str) -> None:
     fully_shard(model, **root)
     if case.tie == "after":
         model.post.weight = model.pre.weight
+    if case.divide:  # each group's own setting (not inherited)
+        for module in model.modules():
+            if hasattr(module, "set_gradient_divide_factor"):
+                module.set_gradient_divide_factor(2.0 * (ws // 2 if case.tp else ws))
     if case.prefetch:
         for before, after in zip(blocks, blocks[1:]):
             before.set_modules_to_forward_prefetch([after])
@@ -622,12 +650,20 @@ def _step(case: Case, model: Net, opt: torch.optim.Optimizer, sched: Any, ema: A
         else:
             if not case.sync_each and case.accumulation > 1:
                 model.set_requires_gradient_sync(last)
+            if case.keep_unsharded:
+                model.set_reshard_after_backward(last)
+            if case.all_reduce_last:
+                model.set_requires_all_reduce(last)
             if case.manual_unshard:
                 model.unshard()
             model.set_rank(case.data_rank(rank))
             loss = loss_of(model, per_rank[case.data_rank(rank)])
             step_losses.append([float(loss.detach())])
         loss.backward()
+    if rank is None and case.divide:  # the sharded runs divide the sum by twice the ranks
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(0.5)
     record.losses.append([x for micro in step_losses for x in micro])
     record.grads.append({n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None})
     if case.clip == "torch" or (case.clip == "fullshard" and rank is None):

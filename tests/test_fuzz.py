@@ -18,7 +18,9 @@ def test_draws_are_reproducible_and_varied() -> None:
                           ("optim", {"sgd", "adamw", "fs_adamw", "fs_sgd", "muon"}), ("eval_pass", {"none", "all", "replica"}),
                           ("tp", {False, True}), ("extension", {False, True}),
                           ("init", {"plain", "meta_copy", "meta_broadcast"}), ("prefetch", {False, True}),
-                          ("ac", {"none", "inside", "outside"}), ("reuse", {False, True})):
+                          ("ac", {"none", "inside", "outside"}), ("reuse", {False, True}), ("dim1", {False, True}),
+                          ("keep_unsharded", {False, True}), ("divide", {False, True}),
+                          ("all_reduce_last", {False, True})):
         assert {getattr(c, field) for c in cases} >= values, field
     assert sum(c.fsdp2_supported for c in cases) > CI_CASES // 5
     assert Case(3).describe() == "Case(seed=3)"
