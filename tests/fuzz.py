@@ -10,8 +10,9 @@ scheduler, clipping, EMA, a DCP checkpoint saved mid-run and loaded at another w
 starts (built on the meta device and initialised after sharding, shard by shard or from rank 0's full state
 dict), explicit forward / backward prefetching, a block applied twice per forward and non-reentrant
 activation checkpoints inside or around the sharded blocks, and FSDP2's finer controls (2-D weights sharded on
-dim 1, ``set_reshard_after_backward(False)`` between micro-batches, ``set_gradient_divide_factor``, HSDP
-all-reduces on the last micro-batch only).
+dim 1, ``set_reshard_after_backward(False)`` and ``set_is_last_backward(False)`` between micro-batches,
+``set_gradient_divide_factor``, HSDP all-reduces on the last micro-batch only, ``register_fsdp_forward_method``,
+a mixed-precision ``output_dtype``).
 
 Every case trains sharded on gloo ranks and unsharded in this process on the same batches; every step's
 losses and full gradients and the final full parameters (and EMA averages) must agree (fp32: 1e-5; bf16
@@ -105,6 +106,10 @@ class Case:
     keep_unsharded: bool = False  # with accumulation: set_reshard_after_backward(False) but on the last micro-batch
     divide: bool = False  # set_gradient_divide_factor(2 x the data-parallel size) on every group: half the mean
     all_reduce_last: bool = False  # HSDP, reducing every micro-batch: set_requires_all_reduce(False) but on the last
+    not_last: bool = False  # with accumulation: set_is_last_backward(False) but on the last micro-batch
+    method: bool = False  # the loss goes through Net.predict (the forward's body, not __call__), registered with
+    # register_fsdp_forward_method
+    mp_output: bool = False  # with mixed precision: output_dtype=float32
 
     def describe(self) -> str:
         plain = Case(self.seed)
@@ -279,13 +284,16 @@ def _draw_start(case: Case) -> Case:
 def _draw_controls(case: Case) -> Case:
     """Dim-1 sharding, parameters kept unsharded between micro-batches, a gradient divide factor and HSDP
     all-reduces on the last micro-batch only, from a stream of their own. Dim-1 sharding not with tensor
-    parallel or an all-gather extension (both dim 0 only)."""
+    parallel or an all-gather extension (both dim 0 only); also ``set_is_last_backward(False)`` between
+    micro-batches, a forward method other than ``forward`` and a mixed-precision ``output_dtype``."""
     rng = random.Random(f"controls-{case.seed}")
     change: dict[str, Any] = {"dim1": rng.random() < 0.25 and not case.tp and not case.extension,
                               "keep_unsharded": case.accumulation > 1 and rng.random() < 0.4,
                               "divide": rng.random() < 0.2}
     if case.hsdp and case.accumulation > 1 and rng.random() < 0.5:  # reduce-scatters each micro-batch
         change.update(sync_each=True, all_reduce_last=True)
+    change.update(not_last=case.accumulation > 1 and rng.random() < 0.3, method=rng.random() < 0.2,
+                  mp_output=case.mp != "none" and rng.random() < 0.4)
     return dataclasses.replace(case, **change)
 
 
@@ -351,6 +359,10 @@ class Net(nn.Module):
         self.step = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.predict(x)
+
+    def predict(self, x: torch.Tensor) -> torch.Tensor:
+        """The forward's body: called directly (``case.method``), it runs no hooks of the root's own."""
         h = self.pre(x)
         aux = h.new_zeros(())
         for _ in range(2 if self.case.reuse else 0):
@@ -361,7 +373,8 @@ class Net(nn.Module):
             h, aux = self.run_block(block, h, aux)
         if h.shape[-1] != self.case.widths[-1]:  # the last block was skipped: pad or crop to the model's width
             h = F.pad(h, (0, self.case.widths[-1] - h.shape[-1]))
-        return self.post(h) + 0.1 * aux
+        # (fp32 with a mixed-precision output_dtype, where the blocks' outputs are cast up)
+        return self.post(h.to(self.post.weight.dtype)) + 0.1 * aux.to(self.post.weight.dtype)
 
     def run_block(self, block: Block, h: torch.Tensor, aux: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.case.user == "reentrant" or self.case.ac == "outside":
@@ -433,12 +446,13 @@ def world_sizes(case: Case) -> list[int]:
 
 def loss_of(model: Net, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     x, y = batch
+    run = model.predict if model.case.method else model
     if model.case.user == "penalty" and model.step % 2 == 0:
         x = x.clone().requires_grad_(True)
-        out = model(x).float()
+        out = run(x).float()
         (grad_x,) = torch.autograd.grad(out.square().sum(), x, create_graph=True)
         return F.mse_loss(out, y) + 0.05 * grad_x.square().sum()
-    return F.mse_loss(model(x).float(), y)
+    return F.mse_loss(run(x).float(), y)
 
 
 class Optimizers:
@@ -506,17 +520,31 @@ def shard(case: Case, model: Net, impl: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     if impl == "fullshard":
-        from fullshard import CPUOffloadPolicy, MixedPrecisionPolicy, QuantizedCommPolicy, fully_shard
+        from fullshard import (
+            CPUOffloadPolicy,
+            MixedPrecisionPolicy,
+            QuantizedCommPolicy,
+            fully_shard,
+            register_fsdp_forward_method,
+        )
     else:
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard  # type: ignore[assignment]
+        from torch.distributed.fsdp import (  # type: ignore[assignment]
+            CPUOffloadPolicy,
+            MixedPrecisionPolicy,
+            fully_shard,
+            register_fsdp_forward_method,
+        )
     ws = dist.get_world_size()
     kw: dict[str, Any] = {}
     if case.hsdp and ws == 4:
         kw["mesh"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    output_dtype = torch.float32 if case.mp_output else None
     if case.mp == "bf16":
-        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
+                                               output_dtype=output_dtype)
     elif case.mp == "bf16_fp32_reduce":
-        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                               output_dtype=output_dtype)
     if case.offload:
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
     if case.quantized:
@@ -565,6 +593,8 @@ def shard(case: Case, model: Net, impl: str) -> None:
     fully_shard(model, **root)
     if case.tie == "after":
         model.post.weight = model.pre.weight
+    if case.method:
+        register_fsdp_forward_method(model, "predict")
     if case.divide:  # each group's own setting (not inherited)
         for module in model.modules():
             if hasattr(module, "set_gradient_divide_factor"):
@@ -654,6 +684,8 @@ def _step(case: Case, model: Net, opt: torch.optim.Optimizer, sched: Any, ema: A
                 model.set_reshard_after_backward(last)
             if case.all_reduce_last:
                 model.set_requires_all_reduce(last)
+            if case.not_last:
+                model.set_is_last_backward(last)
             if case.manual_unshard:
                 model.unshard()
             model.set_rank(case.data_rank(rank))

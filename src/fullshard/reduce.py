@@ -386,27 +386,23 @@ class GradReducer:
                 # The flag counts go with the sums: a parameter no rank had a gradient for in any of the
                 # backwards keeps grad None.
                 flags = chunks[len(pending.params)] if len(chunks) > len(pending.params) else None
-                counts = [None if flags is None else flags.narrow(0, i, 1) for i in range(len(pending.params))]
                 if not settings.all_reduces:
                     # Keep the partial (per-replica) sums until a backward that all-reduces.
-                    for p, chunk, count in zip(pending.params, chunks, counts):
-                        for kept, value in ((self._partial_sums, chunk), (self._partial_flags, count)):
-                            if value is None:
-                                continue
-                            if p in kept:
-                                kept[p].add_(value)
-                            else:
-                                kept[p] = value.clone()
+                    for i, (p, chunk) in enumerate(zip(pending.params, chunks)):
+                        _add_into(self._partial_sums, p, chunk)
+                        if flags is not None:
+                            _add_into(self._partial_flags, p, flags.narrow(0, i, 1))
                     pending.done = streams.record()
                     pending.stage = ReduceStage.DELIVERED
                     return
-                for p, chunk, count in zip(pending.params, chunks, counts):
-                    partial = self._partial_sums.pop(p, None)
-                    if partial is not None:
-                        chunk.add_(partial)
-                    partial_count = self._partial_flags.pop(p, None)
-                    if partial_count is not None and count is not None:
-                        count.add_(partial_count)
+                if self._partial_sums:
+                    for i, (p, chunk) in enumerate(zip(pending.params, chunks)):
+                        partial = self._partial_sums.pop(p, None)
+                        if partial is not None:
+                            chunk.add_(partial)
+                        count = self._partial_flags.pop(p, None)
+                        if count is not None and flags is not None:
+                            flags.narrow(0, i, 1).add_(count)
                 scattered = streams.record()
             with streams.on(streams.all_reduce):
                 streams.wait(scattered)
@@ -480,6 +476,13 @@ class GradReducer:
             p.accumulated_grad = None
         self._partial_sums.clear()
         self._partial_flags.clear()
+
+
+def _add_into(kept: dict[ShardedParam, torch.Tensor], p: ShardedParam, value: torch.Tensor) -> None:
+    if p in kept:
+        kept[p].add_(value)
+    else:
+        kept[p] = value.clone()
 
 
 def split_division(factor: float) -> tuple[float, float]:
