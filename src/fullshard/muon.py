@@ -115,7 +115,7 @@ class Muon(torch.optim.Muon):
         """Each parameter's rows of the orthogonalised update (bf16)."""
         results: list[torch.Tensor | None] = [None] * len(params)
         by_group: dict[dist.ProcessGroup, list[int]] = {}
-        columns: set[int] = set()  # split on dim 1: orthogonalised as the transpose, split by rows
+        columns: set[int] = set()  # split on dim 1: travel as their transpose (see the Note)
         for i, p in enumerate(params):
             sharding = _sharding(p)
             if sharding is None:
