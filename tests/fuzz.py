@@ -284,10 +284,10 @@ def _draw_start(case: Case) -> Case:
 
 
 def _draw_controls(case: Case) -> Case:
-    """Dim-1 sharding, parameters kept unsharded between micro-batches, a gradient divide factor and HSDP
-    all-reduces on the last micro-batch only, from a stream of their own. Dim-1 sharding not with tensor
-    parallel or an all-gather extension (both dim 0 only); also ``set_is_last_backward(False)`` between
-    micro-batches, a forward method other than ``forward`` and a mixed-precision ``output_dtype``."""
+    """FSDP2's finer controls, from a stream of their own: dim-1 sharding (not with tensor parallel or an
+    all-gather extension, both dim 0 only), ``set_reshard_after_backward`` / ``set_requires_all_reduce`` (HSDP) /
+    ``set_is_last_backward`` False but on the last micro-batch, a gradient divide factor, a forward method other
+    than ``forward`` and a mixed-precision ``output_dtype``."""
     rng = random.Random(f"controls-{case.seed}")
     change: dict[str, Any] = {"dim1": rng.random() < 0.25 and not case.tp and not case.extension,
                               "keep_unsharded": case.accumulation > 1 and rng.random() < 0.4,
@@ -540,13 +540,11 @@ def shard(case: Case, model: Net, impl: str) -> None:
     kw: dict[str, Any] = {}
     if case.hsdp and ws == 4:
         kw["mesh"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    output_dtype = torch.float32 if case.mp_output else None
-    if case.mp == "bf16":
-        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
-                                               output_dtype=output_dtype)
-    elif case.mp == "bf16_fp32_reduce":
-        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                                               output_dtype=output_dtype)
+    if case.mp != "none":
+        kw["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16 if case.mp == "bf16" else torch.float32,
+            output_dtype=torch.float32 if case.mp_output else None,
+        )
     if case.offload:
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
     if case.quantized:
@@ -554,7 +552,7 @@ def shard(case: Case, model: Net, impl: str) -> None:
     if case.dim1:
         from torch.distributed.tensor import Shard
 
-        shard_size = 2 if case.hsdp else ws  # (resumed at another world size, other weights qualify)
+        shard_size = 2 if case.hsdp else ws  # this run's (a resumed run may shard other weights on dim 1)
         kw["shard_placement_fn"] = lambda p: Shard(1) if p.ndim == 2 and p.shape[1] % shard_size == 0 else None
     inner = dict(kw)
     if case.reshard == "false":
