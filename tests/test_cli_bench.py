@@ -20,7 +20,8 @@ def check_phases(rows: dict[str, list[str]], phases: dict[str, list[float]]) -> 
     assert set(phases) == set(rows)
     for name, (forward, backward, optimizer, user, system) in phases.items():
         assert min(forward, backward, optimizer) > 0 and user + system > 0
-        assert forward + backward + optimizer <= float(rows[name][1]) * 1.01  # rank 0's part of the slowest rank's step
+        # rank 0's part of the slowest rank's step; the four numbers are printed to 0.1 ms, so each is off by <= 0.05
+        assert forward + backward + optimizer <= float(rows[name][1]) * 1.01 + 4 * 0.05
 
 
 def test_bench_table() -> None:
