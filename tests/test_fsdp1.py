@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 
 import pytest
 import torch
@@ -233,8 +234,12 @@ def shard_with_hook(hook_name: str, model: nn.Module) -> None:
 def _hooks(rank: int, world_size: int, hook_name: str) -> None:
     low = hook_name in ("fp16", "bf16")
     tol = {"rtol": 2e-2, "atol": 2e-3} if low else {}
-    run_parity(rank, world_size, Transformer, functools.partial(shard_with_hook, hook_name), token_batch, lm_loss,
-               steps=3, **tol)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_parity(rank, world_size, Transformer, functools.partial(shard_with_hook, hook_name), token_batch, lm_loss,
+                   steps=3, **tol)
+    if hook_name != "torch_fsdp1_default":  # ours call torch 2.13's collective names, not the deprecated ones
+        assert not [w for w in caught if issubclass(w.category, FutureWarning)], [str(w.message) for w in caught]
     assert ReduceState(dist.group.WORLD).divide_before * ReduceState(dist.group.WORLD).divide_after == world_size
 
 

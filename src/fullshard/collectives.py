@@ -186,12 +186,12 @@ class PendingCollective:
         return self.output
 
 
-def _all_gather_single(*args: Any, **kwargs: Any) -> dist.Work | None:
+def all_gather_single(*args: Any, **kwargs: Any) -> dist.Work | None:
     # torch 2.13 renamed the single-tensor collectives; older releases have only the old names.
     return getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(*args, **kwargs)
 
 
-def _reduce_scatter_single(*args: Any, **kwargs: Any) -> dist.Work | None:
+def reduce_scatter_single(*args: Any, **kwargs: Any) -> dist.Work | None:
     return getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(*args, **kwargs)
 
 
@@ -272,7 +272,7 @@ def _issue_all_gather(
     if comm is not None:
         work = comm(output, inp, group, async_op=True)
     else:
-        work = _all_gather_single(output, inp, group=group, async_op=True)
+        work = all_gather_single(output, inp, group=group, async_op=True)
     return work, ticket
 
 
@@ -344,7 +344,7 @@ def reduce_scatter(
             work = comm(output, inp.view(-1), group, op, async_op=True)
         else:
             output = torch.empty(inp.shape[1], dtype=inp.dtype, device=inp.device)
-            work = _reduce_scatter_single(output, inp.view(-1), op=op, group=group, async_op=True)
+            work = reduce_scatter_single(output, inp.view(-1), op=op, group=group, async_op=True)
     pending = PendingCollective(work, output, (inp, output), what=f"reduce-scatter of group {label!r}", group=group,
                                 ticket=ticket)
     return _ordered(pending, streams)

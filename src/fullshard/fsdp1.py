@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from fullshard.collectives import reduce_scatter_single
 from fullshard.errors import expect_module
 from fullshard.optim import flat_runs
 from fullshard.param import sharded_axes
@@ -231,7 +232,7 @@ def _reduce_scatter_in(dtype: torch.dtype | None) -> Callable[[ReduceState, torc
         send = grad if dtype is None else grad.to(dtype)
         send.div_(state.divide_before)
         recv = output if dtype is None else torch.empty_like(output, dtype=dtype)
-        dist.reduce_scatter_tensor(recv, send, group=state.process_group)
+        reduce_scatter_single(recv, send, group=state.process_group)
         recv.div_(state.divide_after)
         if recv is not output:
             output.copy_(recv)
