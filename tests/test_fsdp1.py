@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 import warnings
@@ -29,8 +30,17 @@ from fullshard import (
     summon_full_params,
 )
 from tests.harness import run_ranks
-from tests.models import Transformer, lm_loss
-from tests.parity import assert_parity, full_grads, full_params, random_batches, run_parity, token_batch, train
+from tests.models import Transformer, lm_loss, mse_loss
+from tests.parity import (
+    assert_parity,
+    full_grads,
+    full_params,
+    random_batches,
+    regression_batch,
+    run_parity,
+    token_batch,
+    train,
+)
 from tests.test_parity import shard_transformer
 from tests.test_state_dict import assert_linked, build_pair
 
@@ -164,6 +174,26 @@ def _clip(rank: int, world_size: int, norm_type: float, max_norm: float) -> None
 )
 def test_clip_grad_norm(norm_type: float, max_norm: float, world_size: int) -> None:
     run_ranks(world_size, _clip, norm_type, max_norm)
+
+
+def _clip_inf_over_empty_shards(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+    model = copy.deepcopy(ref)
+    fully_shard(model)  # the head's weight and bias have one row: the ranks past 0 hold none of it
+    assert model[2].bias.to_local().numel() == (1 if rank == 0 else 0)
+    batches = random_batches(1, world_size, lambda gen: regression_batch(gen, in_dim=3, out_dim=1))[0]
+    (sum(mse_loss(ref, b) for b in batches) / world_size).backward()
+    mse_loss(model, batches[rank]).backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01, norm_type=math.inf)
+    torch.testing.assert_close(clip_grad_norm_(model, 0.01, norm_type=math.inf), ref_norm)
+    for name, grad in full_grads(model).items():
+        torch.testing.assert_close(grad, full_grads(ref)[name], msg=lambda m: f"{name}: {m}")
+
+
+def test_clip_grad_norm_inf_with_shards_holding_no_rows() -> None:
+    """torch's clip_grad_norm_ raises on the rank without rows (`_foreach_norm` of an empty tensor); ours counts 0."""
+    run_ranks(2, _clip_inf_over_empty_shards)
 
 
 def _clip_float64(rank: int, world_size: int) -> None:
