@@ -318,6 +318,27 @@ def test_several_forwards_one_backward(world_size: int) -> None:
     run_ranks(world_size, _two_forwards)
 
 
+# ---- the root's parameters used after forward ---------------------------------------------------
+
+
+def penalized_lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """A penalty on the (tied) embedding, taken after forward: the root keeps its parameters unsharded until
+    backward, as FSDP2's root does, so its gradient is the forward's plus the penalty's."""
+    loss = lm_loss(model, tokens)
+    weight = model.tok.weight
+    assert not isinstance(weight, DTensor), "the root resharded after forward"
+    return loss + 1e-2 * weight.pow(2).sum()
+
+
+def _root_params_after_forward(rank: int, world_size: int) -> None:
+    run_parity(rank, world_size, Transformer, shard_transformer, token_batch, penalized_lm_loss)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_root_parameters_used_after_forward(world_size: int) -> None:
+    run_ranks(world_size, _root_params_after_forward)
+
+
 # ---- zero_grad(set_to_none=False) ---------------------------------------------------------------
 
 
