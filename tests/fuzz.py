@@ -176,10 +176,14 @@ class Case:
             return 1
         return self.steps
 
+    def normed(self, width: int) -> bool:
+        """Whether a block of output ``width`` ends in a LayerNorm. Over one or two features a LayerNorm's output
+        is constant (0, or +-1): its input gradient is rounding noise, so those blocks have none."""
+        return self.norm and width >= 3
+
     @property
     def _norm_after_narrower_layer(self) -> bool:
-        # Block(d_in, d_out) has a LayerNorm over d_out when norm and d_out >= 3 (see Block)
-        return self.norm and any(b >= 3 and a < b for a, b in zip(self.widths, self.widths[1:]))
+        return any(self.normed(b) and a < b for a, b in zip(self.widths, self.widths[1:]))
 
     @property
     def tolerance(self) -> dict[str, float]:
@@ -315,8 +319,7 @@ class Block(nn.Module):
         super().__init__()
         self.case, self.index = case, index
         self.lin = nn.Linear(d_in, d_out, bias=case.bias)
-        # Over one or two features a LayerNorm's output is constant (0, or +-1): its input gradient is rounding noise.
-        self.norm = nn.LayerNorm(d_out) if case.norm and d_out >= 3 else None
+        self.norm = nn.LayerNorm(d_out) if case.normed(d_out) else None
         if case.buffers:
             self.register_buffer("scale", torch.linspace(0.5, 1.5, d_out))
         if case.zero_numel and index == 0:
