@@ -7,7 +7,7 @@ import pytest
 
 from tests.fuzz import Case, draw, run_cases
 
-CI_CASES = 300  # about 90 s on two cores
+CI_CASES = 240  # about 190 s on two cores
 
 
 def test_draws_are_reproducible_and_varied() -> None:

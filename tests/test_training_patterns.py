@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from fullshard import FSDPModule, fully_shard
+from fullshard import CPUOffloadPolicy, FSDPModule, fully_shard
 from tests.harness import run_ranks
 from tests.models import MLP, Transformer, lm_loss, mse_loss
 from tests.parity import random_batches, regression_batch, run_parity, token_batch, train
@@ -190,6 +190,11 @@ def loss_after_inference(model: nn.Module, batch: tuple[torch.Tensor, torch.Tens
         expected = model(x)
     if isinstance(model, FSDPModule):
         assert_all_sharded(model)
+    with torch.inference_mode():  # its all-gathered tensors are inference tensors; training goes on after it
+        inferred = model(x)
+    if isinstance(model, FSDPModule):
+        assert_all_sharded(model)
+    torch.testing.assert_close(inferred, expected, rtol=0, atol=0)
     model.eval()
     evaluated = model(x)
     model.train()
@@ -200,10 +205,18 @@ def loss_after_inference(model: nn.Module, batch: tuple[torch.Tensor, torch.Tens
 
 
 def _inference(rank: int, world_size: int) -> None:
-    run_parity(rank, world_size, MLP, shard_mlp, regression_batch, loss_after_inference, steps=3)
+    for settings in ({}, {"reshard_after_forward": False}, {"offload_policy": CPUOffloadPolicy()}):
+        def shard(model: nn.Module) -> None:
+            for layer in model.layers:
+                fully_shard(layer, **settings)
+            fully_shard(model, **settings)
+
+        run_parity(rank, world_size, MLP, shard, regression_batch, loss_after_inference, steps=3)
 
 
-def test_no_grad_and_eval_forward_leave_sharded() -> None:
+def test_no_grad_inference_mode_and_eval_forward_leave_sharded() -> None:
+    """Also the FSDP2 failure this avoids: after a forward under torch.inference_mode(), its next training step
+    raises "Inplace update to inference tensor outside InferenceMode"."""
     run_ranks(2, _inference)
 
 

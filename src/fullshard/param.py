@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor, Placement, Shard, distribute_tenso
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from fullshard.errors import UnsupportedError
 from fullshard.layout import ParamLayout
 from fullshard.mesh import MeshInfo, concatenate_meshes
 
@@ -320,6 +321,11 @@ class ShardedParam:
     def unsharded_grad(self) -> torch.Tensor | None:
         """The unsharded parameter's gradient as a plain tensor (a tensor-parallel one's local piece)."""
         grad = self.unsharded.grad
+        if grad is not None and grad.layout is not torch.strided:
+            raise UnsupportedError(
+                f"{self.fqn} got a {grad.layout} gradient; fully_shard reduces dense gradients only "
+                "(build the module with sparse=False, e.g. nn.Embedding(..., sparse=False))"
+            )
         if grad is None or self.tp is None:
             return grad
         return self.tp.local_grad(grad)
