@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,10 +19,11 @@ from fullshard import (
     load_full_optim_state_dict,
     rekey_optim_state_dict,
 )
+from fullshard import optim as fs_optim
 from fullshard.runtime import state_of
 from tests.harness import run_ranks
 from tests.models import Transformer, lm_loss
-from tests.parity import assert_parity, full_params, random_batches, token_batch, train
+from tests.parity import Trace, assert_parity, full_params, random_batches, token_batch, train
 from tests.test_parity import shard_transformer
 
 
@@ -84,6 +87,42 @@ def _state_dict_roundtrips(rank: int, world_size: int) -> None:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_state_dict_and_load_state_dict(world_size: int) -> None:
     run_ranks(world_size, _state_dict_roundtrips)
+
+
+def _torch_save_per_rank(rank: int, world_size: int, directory: str, make_optim: str) -> None:
+    """``torch.save`` of each rank's sharded state dicts, the way many training scripts checkpoint: every
+    local tensor but a group's first views the flat shard buffer at an offset ([Note: Pickling DTensor views])."""
+    optims: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+        "adamw": lambda params: torch.optim.AdamW(params, lr=0.01),
+        "fullshard_adamw": lambda params: fs_optim.AdamW(params, lr=0.01),  # its state views one flat buffer
+    }
+    ref, model = build_pair()
+    batches = random_batches(4, world_size, token_batch)
+    ref_trace = train(ref, batches, lm_loss, rank=None, make_optim=optims[make_optim])
+    trace = train(model, batches[:2], lm_loss, rank=rank, make_optim=optims[make_optim])
+    lm_loss(model, batches[2][rank]).backward()
+    assert any(p.to_local().storage_offset() for p in model.parameters())
+    path = Path(directory) / f"rank{rank}.pt"
+    torch.save({"model": model.state_dict(), "optim": trace.optim.state_dict(),
+                "grads": {n: p.grad for n, p in model.named_parameters()}}, path)
+    loaded = torch.load(path, weights_only=True)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(loaded["grads"][name].to_local(), p.grad.to_local(), rtol=0, atol=0)
+
+    torch.manual_seed(1)
+    resumed = Transformer()
+    shard_transformer(resumed)
+    resumed.load_state_dict(loaded["model"])
+    optim = optims[make_optim](resumed.parameters())
+    optim.load_state_dict(loaded["optim"])
+    after = train(resumed, batches[2:], lm_loss, rank=rank, optim=optim)
+    assert_parity(ref_trace, Trace(losses=trace.losses + after.losses, grads=trace.grads + after.grads,
+                                   params=after.params), rank)
+
+
+@pytest.mark.parametrize("make_optim", ["adamw", "fullshard_adamw"])
+def test_torch_save_of_sharded_state_dicts(make_optim: str, tmp_path: Path) -> None:
+    run_ranks(2, _torch_save_per_rank, str(tmp_path), make_optim)
 
 
 def _to_dtype(rank: int, world_size: int) -> None:

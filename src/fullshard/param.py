@@ -17,6 +17,9 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from fullshard.errors import UnsupportedError
 from fullshard.layout import ParamLayout
 from fullshard.mesh import MeshInfo, concatenate_meshes
+from fullshard.pickling import install as install_pickling
+
+install_pickling()  # the local tensors view one flat buffer: [Note: Pickling DTensor views]
 
 
 @dataclass(frozen=True, eq=False)
