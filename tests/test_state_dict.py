@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+)
 from torch.distributed.tensor import DTensor
 
 from fullshard import (
@@ -89,40 +97,48 @@ def test_state_dict_and_load_state_dict(world_size: int) -> None:
     run_ranks(world_size, _state_dict_roundtrips)
 
 
-def _torch_save_per_rank(rank: int, world_size: int, directory: str, make_optim: str) -> None:
-    """``torch.save`` of each rank's sharded state dicts, the way many training scripts checkpoint: every
-    local tensor but a group's first views the flat shard buffer at an offset ([Note: Pickling DTensor views])."""
+def _saved_per_rank(rank: int, world_size: int, directory: str, make_optim: str) -> None:
+    """Each rank's sharded state dicts through ``torch.save``/``torch.load`` (as many training scripts checkpoint),
+    ``copy.deepcopy`` (a best-so-far snapshot) and DCP's ``async_save``, then resumed: every local tensor but a
+    group's first views its flat shard buffer at an offset ([Note: Own-storage views])."""
     optims: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
         "adamw": lambda params: torch.optim.AdamW(params, lr=0.01),
-        "fullshard_adamw": lambda params: fs_optim.AdamW(params, lr=0.01),  # its state views one flat buffer
+        "fullshard_adamw": lambda params: fs_optim.AdamW(params, lr=0.01),  # its state views flat buffers
     }
     ref, model = build_pair()
     batches = random_batches(4, world_size, token_batch)
     ref_trace = train(ref, batches, lm_loss, rank=None, make_optim=optims[make_optim])
     trace = train(model, batches[:2], lm_loss, rank=rank, make_optim=optims[make_optim])
-    lm_loss(model, batches[2][rank]).backward()
+    assert trace.optim is not None
     assert any(p.to_local().storage_offset() for p in model.parameters())
     path = Path(directory) / f"rank{rank}.pt"
-    torch.save({"model": model.state_dict(), "optim": trace.optim.state_dict(),
-                "grads": {n: p.grad for n, p in model.named_parameters()}}, path)
-    loaded = torch.load(path, weights_only=True)
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(loaded["grads"][name].to_local(), p.grad.to_local(), rtol=0, atol=0)
+    torch.save({"model": model.state_dict(), "optim": trace.optim.state_dict()}, path)
+    snapshot = copy.deepcopy({"model": model.state_dict(), "optim": trace.optim.state_dict()})
+    staged = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, trace.optim)}
+    dcp.async_save(staged, checkpoint_id=Path(directory) / "dcp", process_group=dist.new_group(backend="gloo")).result()
+    lm_loss(model, batches[2][rank]).backward()  # training goes on; the copies keep the values saved
+    trace.optim.step()
+    trace.optim.zero_grad()
 
-    torch.manual_seed(1)
-    resumed = Transformer()
-    shard_transformer(resumed)
-    resumed.load_state_dict(loaded["model"])
-    optim = optims[make_optim](resumed.parameters())
-    optim.load_state_dict(loaded["optim"])
-    after = train(resumed, batches[2:], lm_loss, rank=rank, optim=optim)
-    assert_parity(ref_trace, Trace(losses=trace.losses + after.losses, grads=trace.grads + after.grads,
-                                   params=after.params), rank)
+    loaded = torch.load(path, weights_only=True)
+    for state in (loaded, snapshot, None):
+        torch.manual_seed(1)
+        resumed = Transformer()
+        shard_transformer(resumed)
+        optim = optims[make_optim](resumed.parameters())
+        if state is None:
+            state = {"model": get_model_state_dict(resumed), "optim": get_optimizer_state_dict(resumed, optim)}
+            dcp.load(state, checkpoint_id=Path(directory) / "dcp")
+        resumed.load_state_dict(state["model"])
+        optim.load_state_dict(state["optim"])
+        after = train(resumed, batches[2:], lm_loss, rank=rank, optim=optim)
+        assert_parity(ref_trace, Trace(losses=trace.losses + after.losses, grads=trace.grads + after.grads,
+                                       params=after.params), rank)
 
 
 @pytest.mark.parametrize("make_optim", ["adamw", "fullshard_adamw"])
-def test_torch_save_of_sharded_state_dicts(make_optim: str, tmp_path: Path) -> None:
-    run_ranks(2, _torch_save_per_rank, str(tmp_path), make_optim)
+def test_torch_save_deepcopy_and_async_save_of_sharded_state_dicts(make_optim: str, tmp_path: Path) -> None:
+    run_ranks(2, _saved_per_rank, str(tmp_path), make_optim)
 
 
 def _to_dtype(rank: int, world_size: int) -> None:

@@ -29,7 +29,7 @@ from torch.optim.sgd import sgd as _sgd
 
 from fullshard.group import group_of
 from fullshard.local_step import local_steps
-from fullshard.param import FLAT_GRAD, FlatGrad
+from fullshard.param import FLAT_GRAD, FlatGrad, own_storage_view
 
 __all__ = ["SGD", "Adam", "AdamW", "Muon", "local_steps"]
 
@@ -157,7 +157,7 @@ class _LocalAdamStep:
                 rows = sp.local_rows(flats[key].narrow(0, offset, chunk.numel()))
                 if key in state:
                     rows.copy_(_local(state[key]))
-                state[key] = views[key] = sp.as_dtensor_of(rows)
+                state[key] = views[key] = sp.as_dtensor_of(own_storage_view(rows))
             made.append(views)
         cache[id(owner)] = (weakref.ref(owner), flats, made)
         return flats

@@ -17,9 +17,6 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from fullshard.errors import UnsupportedError
 from fullshard.layout import ParamLayout
 from fullshard.mesh import MeshInfo, concatenate_meshes
-from fullshard.pickling import install as install_pickling
-
-install_pickling()  # the local tensors view one flat buffer: [Note: Pickling DTensor views]
 
 
 @dataclass(frozen=True, eq=False)
@@ -82,6 +79,33 @@ def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
         stride.append(running)
         running *= max(size, 1)
     return tuple(reversed(stride))
+
+
+# [Note: Own-storage views]
+# A group keeps its shards in one flat buffer, so each parameter's local tensor
+# but the first views that buffer at a storage offset. A DTensor wrapper takes
+# its local tensor's offset, and torch (2.13) tells a wrapper (no data of its
+# own) from a tensor with data by ``data_ptr() == 0``, which an offset breaks:
+# torch.save, copy.deepcopy and DCP's async_save staging then treat the wrapper
+# as holding data and raise ("invalid python storage"). What leaves fullshard
+# for those - state dict values, the flat optimizer state - therefore gets
+# local tensors from own_storage_view: the same memory, reached through a slice
+# of the buffer's storage (which holds the buffer alive and cannot be resized),
+# so they start at offset 0 as FSDP2's do and changes through them (DCP's
+# in-place load) reach the parameters. Gradients stay views of the reduce-scatter
+# buffer, as FSDP2's do.
+
+
+def own_storage_view(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s memory through a storage that starts at its first element (see [Note: Own-storage views])."""
+    if t.storage_offset() == 0 or t.device.type == "meta":
+        return t
+    if t.numel() == 0:
+        return t.new_empty(t.shape)
+    size = t.element_size()
+    extent = 1 + sum((n - 1) * stride for n, stride in zip(t.shape, t.stride()))
+    start = t.storage_offset() * size
+    return t.new_empty(0).set_(t.untyped_storage()[start : start + extent * size], 0, t.shape, t.stride())
 
 
 # [Note: Tensor parallel]

@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from fullshard.errors import expect_bool, expect_module, expect_optimizer
 from fullshard.group import ParamGroup, group_of
-from fullshard.param import ShardedParam, full_tensor
+from fullshard.param import ShardedParam, full_tensor, own_storage_view
 from fullshard.runtime import states_in
 
 
@@ -58,11 +58,13 @@ def _entries(group: ParamGroup, module: nn.Module) -> list[tuple[str, ShardedPar
 
 
 def _sharded_values(entries: Callable[[], list[tuple[str, ShardedParam]]]):  # type: ignore[no-untyped-def]
+    """The sharded parameters (also where a group is unsharded), their local tensors starting a storage of
+    their own ([Note: Own-storage views]); ``keep_vars=True`` keeps the parameters themselves."""
     def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
         for name, p in entries():
             key = prefix + name
-            if key in state_dict and not isinstance(state_dict[key], DTensor):
-                state_dict[key] = p.sharded.detach()
+            if key in state_dict and state_dict[key] is not p.sharded:
+                state_dict[key] = p.as_dtensor_of(own_storage_view(p.sharded._local_tensor.detach()))
 
     return hook
 
