@@ -117,6 +117,34 @@ def test_cpu_offload_with_accumulation_parity(mode: str) -> None:
         assert p.to_local().device.type == "cpu" and p.to_local().is_pinned()
 
 
+@pytest.mark.parametrize("offload", [False, True])
+def test_state_dict_saved_copied_and_staged(offload: bool, tmp_path: Any) -> None:
+    """State dict values reach the flat shard buffers (GPU, or pinned host memory) through storages of their own
+    ([Note: Own-storage views]): torch.save, copy.deepcopy and DCP's async_save take them, pinned stays pinned."""
+    import copy
+    import io
+
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    model = Transformer()
+    shard_blocks(model, **({"offload_policy": CPUOffloadPolicy(pin_memory=True)} if offload else {}))
+    lm_loss(model, token_batch(torch.Generator().manual_seed(0)).cuda()).backward()
+    state = model.state_dict()
+    for name, p in model.named_parameters():
+        local = state[name].to_local()
+        assert local.storage_offset() == 0 and local.data_ptr() == p.to_local().data_ptr(), name
+        assert local.is_pinned() == offload, name
+    torch.save(state, io.BytesIO())
+    copied = copy.deepcopy(state)
+    dcp.async_save(state, checkpoint_id=tmp_path / "dcp", process_group=dist.new_group(backend="gloo")).result()
+    loaded = {k: v.clone() for k, v in state.items()}  # DCP loads in place
+    dcp.load(loaded, checkpoint_id=tmp_path / "dcp")
+    for name, value in state.items():
+        torch.testing.assert_close(copied[name].full_tensor(), value.full_tensor(), rtol=0, atol=0)
+        torch.testing.assert_close(loaded[name].full_tensor(), value.full_tensor(), rtol=0, atol=0)
+
+
 def test_no_sync_context_with_offload() -> None:
     def loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         if isinstance(model, FSDPModule):
