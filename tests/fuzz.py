@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import gc
+import io
 import logging
 import os
 import random
@@ -816,7 +818,12 @@ def sharded(case: Case, rank: int, impl: str, phase: int, ckpt: str) -> Record:
     run_steps(case, model, opt, sched, ema, data, steps, rank, record, impl)
     if case.resume_ws and phase == 0:
         msd, osd = get_state_dict(model, opt)
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt)
+        # Saved from a deep copy that went through torch.save / torch.load: both must keep every value, in
+        # every layout (dim 1, mixed dtypes, TP, extensions), or the resumed run drifts from the reference.
+        buffer = io.BytesIO()
+        torch.save(copy.deepcopy({"model": msd, "optim": osd}), buffer)
+        buffer.seek(0)
+        dcp.save(torch.load(buffer, weights_only=False), checkpoint_id=ckpt)
     record.params = {n: full(p) for n, p in model.named_parameters()}
     if ema is not None:
         record.ema = {n: full(v) for n, v in ema.full_state_dict(rank0_only=False).items()}
