@@ -111,6 +111,13 @@ def _saved_per_rank(rank: int, world_size: int, directory: str, make_optim: str)
     trace = train(model, batches[:2], lm_loss, rank=rank, make_optim=optims[make_optim])
     assert trace.optim is not None
     assert any(p.to_local().storage_offset() for p in model.parameters())
+    # Each value starts a storage of its own, and the same one in every state dict (DCP's async stager caches
+    # its host copies by storage).
+    first, again = model.state_dict(), model.state_dict()
+    for name, p in model.named_parameters():
+        local = first[name].to_local()
+        assert local.storage_offset() == 0 and local.data_ptr() == p.to_local().data_ptr(), name
+        assert local.untyped_storage()._cdata == again[name].to_local().untyped_storage()._cdata, name
     path = Path(directory) / f"rank{rank}.pt"
     torch.save({"model": model.state_dict(), "optim": trace.optim.state_dict()}, path)
     snapshot = copy.deepcopy({"model": model.state_dict(), "optim": trace.optim.state_dict()})

@@ -254,6 +254,7 @@ class ShardedParam:
         # Unsharded gradients kept across no-sync backwards when the reduce dtype differs.
         self.accumulated_grad: torch.Tensor | None = None
         self._specs: dict[torch.dtype, DTensorSpec] = {}  # see as_dtensor_of
+        self._state_dict_local: torch.Tensor | None = None  # see state_dict_value
         self.sharded: DTensor = cast(DTensor, original)  # replaced by bind_shard
         self.unsharded: nn.Parameter = cast(nn.Parameter, original)  # replaced by bind_unsharded
 
@@ -322,6 +323,20 @@ class ShardedParam:
         # ``__new__`` alone: DTensor's ``__init__`` sets nothing and is wrapped to disable dynamo, which
         # costs more than the construction itself (torch 2.13)
         return cast(DTensor, DTensor.__new__(DTensor, local, spec, requires_grad=False))
+
+    def state_dict_value(self) -> DTensor:
+        """The sharded parameter as a state dict value: a DTensor whose local tensor is an own-storage view of
+        the parameter's ([Note: Own-storage views]). The view is kept while the parameter's local tensor stays
+        where it is, so repeated state dicts hand out the same storages (DCP's async stager caches its host
+        copies by storage)."""
+        local = self.sharded._local_tensor.detach()
+        if type(local) is not torch.Tensor:
+            return self.as_dtensor_of(local)  # an extension's tensor subclass: no storage of its own to view
+        kept = self._state_dict_local
+        if kept is None or (kept.data_ptr(), kept.dtype, kept.device, kept.shape, kept.stride()) != (
+                local.data_ptr(), local.dtype, local.device, local.shape, local.stride()):
+            kept = self._state_dict_local = own_storage_view(local)
+        return self.as_dtensor_of(kept)
 
     def wrap_local(self, local: torch.Tensor) -> torch.Tensor:
         """``local`` as the parameter's tensor subclass (itself when there is none)."""

@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from fullshard.errors import expect_bool, expect_module, expect_optimizer
 from fullshard.group import ParamGroup, group_of
-from fullshard.param import ShardedParam, full_tensor, own_storage_view
+from fullshard.param import ShardedParam, full_tensor
 from fullshard.runtime import states_in
 
 
@@ -64,7 +64,7 @@ def _sharded_values(entries: Callable[[], list[tuple[str, ShardedParam]]]):  # t
         for name, p in entries():
             key = prefix + name
             if key in state_dict and state_dict[key] is not p.sharded:
-                state_dict[key] = p.as_dtensor_of(own_storage_view(p.sharded._local_tensor.detach()))
+                state_dict[key] = p.state_dict_value()
 
     return hook
 
