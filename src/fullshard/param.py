@@ -92,8 +92,9 @@ def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
 # local tensors from own_storage_view: the same memory, reached through a slice
 # of the buffer's storage (which holds the buffer alive and cannot be resized),
 # so they start at offset 0 as FSDP2's do and changes through them (DCP's
-# in-place load) reach the parameters. Gradients stay views of the reduce-scatter
-# buffer, as FSDP2's do.
+# in-place load) reach the parameters. A parameter keeps its state-dict view while
+# its local tensor stays in place (state_dict_value), so every state dict hands out
+# the same storages. Gradients stay views of the reduce-scatter buffer, as FSDP2's do.
 
 
 def own_storage_view(t: torch.Tensor) -> torch.Tensor:
