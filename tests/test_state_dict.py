@@ -158,6 +158,14 @@ def _to_dtype(rank: int, world_size: int) -> None:
     assert all(p.dtype == torch.float64 for p in model.parameters())
     batches = random_batches(2, world_size, token_batch)
     assert_parity(train(ref, batches, lm_loss, rank=None), train(model, batches, lm_loss, rank=rank), rank)
+    # Cast after training, for a bf16 evaluation (FSDP2's forward then raises "Expected out tensor to have
+    # dtype c10::BFloat16").
+    ref.to(torch.bfloat16).eval()
+    model.to(torch.bfloat16).eval()
+    assert_linked(model)
+    tokens = batches[0][rank][:, :-1]
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), ref(tokens), rtol=0, atol=0)
 
 
 def test_module_to_keeps_flat_buffer_link() -> None:
