@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_model_state_dict,
 )
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fullshard import (
     OptimStateKeyType,
@@ -113,11 +113,17 @@ def _saved_per_rank(rank: int, world_size: int, directory: str, make_optim: str)
     assert any(p.to_local().storage_offset() for p in model.parameters())
     # Each value starts a storage of its own, and the same one in every state dict (DCP's async stager caches
     # its host copies by storage).
+    # torch.save and deepcopy copy whole storages: each holds exactly its value's elements.
     first, again = model.state_dict(), model.state_dict()
     for name, p in model.named_parameters():
         local = first[name].to_local()
         assert local.storage_offset() == 0 and local.data_ptr() == p.to_local().data_ptr(), name
+        assert local.untyped_storage().nbytes() == local.numel() * local.element_size(), name
         assert local.untyped_storage()._cdata == again[name].to_local().untyped_storage()._cdata, name
+    for state in trace.optim.state.values():
+        for value in state.values():
+            if value.dim():
+                assert value.to_local().untyped_storage().nbytes() == value.to_local().numel() * value.element_size()
     path = Path(directory) / f"rank{rank}.pt"
     torch.save({"model": model.state_dict(), "optim": trace.optim.state_dict()}, path)
     snapshot = copy.deepcopy({"model": model.state_dict(), "optim": trace.optim.state_dict()})
@@ -146,6 +152,30 @@ def _saved_per_rank(rank: int, world_size: int, directory: str, make_optim: str)
 @pytest.mark.parametrize("make_optim", ["adamw", "fullshard_adamw"])
 def test_torch_save_deepcopy_and_async_save_of_sharded_state_dicts(make_optim: str, tmp_path: Path) -> None:
     run_ranks(2, _saved_per_rank, str(tmp_path), make_optim)
+
+
+def _assigned_before_lazy_init(rank: int, world_size: int) -> None:
+    """A DTensor assigned after fully_shard is what state_dict() shows until lazy init takes it over; a state
+    dict taken before a re-link does not keep the old flat buffer in later ones."""
+    torch.manual_seed(0)
+    model = Transformer()
+    shard_transformer(model)
+    weight = model.blocks[0].mlp[0].weight
+    value = torch.randn(weight.shape)
+    model.blocks[0].mlp[0].weight = nn.Parameter(distribute_tensor(value, weight.device_mesh, weight.placements))
+    torch.testing.assert_close(model.state_dict()["blocks.0.mlp.0.weight"].full_tensor(), value, rtol=0, atol=0)
+    before = model.state_dict()["blocks.1.attn.qkv.weight"].to_local()
+    model.double()  # a re-link: new flat buffers
+    after = model.state_dict()["blocks.1.attn.qkv.weight"].to_local()
+    assert after.dtype == torch.float64 and after.data_ptr() == model.blocks[1].attn.qkv.weight.to_local().data_ptr()
+    assert before.data_ptr() != after.data_ptr()
+    model(token_batch(torch.Generator().manual_seed(rank))[:, :-1])  # lazy init takes the assigned value over
+    torch.testing.assert_close(model.state_dict()["blocks.0.mlp.0.weight"].full_tensor(), value.double(), rtol=0,
+                               atol=0)
+
+
+def test_state_dict_before_lazy_init_and_after_relink() -> None:
+    run_ranks(2, _assigned_before_lazy_init)
 
 
 def _to_dtype(rank: int, world_size: int) -> None:

@@ -87,26 +87,32 @@ def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
 # its local tensor's offset, and torch (2.13) tells a wrapper (no data of its
 # own) from a tensor with data by ``data_ptr() == 0``, which an offset breaks:
 # torch.save, copy.deepcopy and DCP's async_save staging then treat the wrapper
-# as holding data and raise ("invalid python storage"). What leaves fullshard
-# for those - state dict values, the flat optimizer state - therefore gets
-# local tensors from own_storage_view: the same memory, reached through a slice
-# of the buffer's storage (which holds the buffer alive and cannot be resized),
-# so they start at offset 0 as FSDP2's do and changes through them (DCP's
-# in-place load) reach the parameters. A parameter keeps its state-dict view while
-# its local tensor stays in place (state_dict_value), so every state dict hands out
-# the same storages. Gradients stay views of the reduce-scatter buffer, as FSDP2's do.
+# as holding data and raise ("invalid python storage"). They also copy whole
+# storages, so even the first parameter's value would carry the group's buffer.
+# What leaves fullshard for those - state dict values, the flat optimizer
+# state - therefore gets local tensors from own_storage_view: the same memory,
+# reached through a slice of the buffer's storage that holds exactly the
+# tensor's elements (the slice keeps the buffer alive and cannot be resized), so
+# they start at offset 0 as FSDP2's do, and changes through them (DCP's in-place
+# load) reach the parameters. A parameter keeps its state-dict view until its
+# local tensor is replaced (``ShardedParam.state_dict_view``; a re-link drops
+# it, since it holds the old buffer alive), so every state dict hands out the
+# same storages. Gradients stay views of the reduce-scatter output, as FSDP2's do.
 
 
 def own_storage_view(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s memory through a storage that starts at its first element (see [Note: Own-storage views])."""
-    if t.storage_offset() == 0 or t.device.type == "meta":
-        return t
+    """``t``'s memory through a storage that holds exactly its elements (see [Note: Own-storage views])."""
+    if type(t) is not torch.Tensor or t.device.type == "meta":
+        return t  # a tensor subclass keeps its own storage handling; a meta tensor has no memory
     if t.numel() == 0:
         return t.new_empty(t.shape)
     size = t.element_size()
-    extent = 1 + sum((n - 1) * stride for n, stride in zip(t.shape, t.stride()))
+    nbytes = size * (1 + sum((n - 1) * stride for n, stride in zip(t.shape, t.stride())))
     start = t.storage_offset() * size
-    return t.new_empty(0).set_(t.untyped_storage()[start : start + extent * size], 0, t.shape, t.stride())
+    storage = t.untyped_storage()
+    if start == 0 and storage.nbytes() == nbytes:
+        return t
+    return t.new_empty(0).set_(storage[start : start + nbytes], 0, t.shape, t.stride())
 
 
 # [Note: Tensor parallel]
@@ -255,7 +261,8 @@ class ShardedParam:
         # Unsharded gradients kept across no-sync backwards when the reduce dtype differs.
         self.accumulated_grad: torch.Tensor | None = None
         self._specs: dict[torch.dtype, DTensorSpec] = {}  # see as_dtensor_of
-        self._state_dict_local: torch.Tensor | None = None  # see state_dict_value
+        # The own-storage view state_dict_value hands out; None when the local tensor was replaced.
+        self.state_dict_view: torch.Tensor | None = None
         self.sharded: DTensor = cast(DTensor, original)  # replaced by bind_shard
         self.unsharded: nn.Parameter = cast(nn.Parameter, original)  # replaced by bind_unsharded
 
@@ -326,18 +333,16 @@ class ShardedParam:
         return cast(DTensor, DTensor.__new__(DTensor, local, spec, requires_grad=False))
 
     def state_dict_value(self) -> DTensor:
-        """The sharded parameter as a state dict value: a DTensor whose local tensor is an own-storage view of
-        the parameter's ([Note: Own-storage views]). The view is kept while the parameter's local tensor stays
-        where it is, so repeated state dicts hand out the same storages (DCP's async stager caches its host
-        copies by storage)."""
-        local = self.sharded._local_tensor.detach()
-        if type(local) is not torch.Tensor:
-            return self.as_dtensor_of(local)  # an extension's tensor subclass: no storage of its own to view
-        kept = self._state_dict_local
+        """The sharded parameter as a state dict value: a DTensor over an own-storage view of its rows
+        ([Note: Own-storage views]), an extension's subclass wrapped around one. The view is kept until the
+        local tensor is replaced (``state_dict_view = None``), so repeated state dicts hand out the same
+        storages (DCP's async stager caches its host copies by storage)."""
+        rows = inner_tensor(self.sharded._local_tensor).detach()
+        kept = self.state_dict_view
         if kept is None or (kept.data_ptr(), kept.dtype, kept.device, kept.shape, kept.stride()) != (
-                local.data_ptr(), local.dtype, local.device, local.shape, local.stride()):
-            kept = self._state_dict_local = own_storage_view(local)
-        return self.as_dtensor_of(kept)
+                rows.data_ptr(), rows.dtype, rows.device, rows.shape, rows.stride()):
+            kept = self.state_dict_view = own_storage_view(rows)
+        return self.as_dtensor_of(self.wrap_local(kept))
 
     def wrap_local(self, local: torch.Tensor) -> torch.Tensor:
         """``local`` as the parameter's tensor subclass (itself when there is none)."""

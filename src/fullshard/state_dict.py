@@ -59,11 +59,16 @@ def _entries(group: ParamGroup, module: nn.Module) -> list[tuple[str, ShardedPar
 
 def _sharded_values(entries: Callable[[], list[tuple[str, ShardedParam]]]):  # type: ignore[no-untyped-def]
     """The sharded parameters (also where a group is unsharded), their local tensors starting a storage of
-    their own ([Note: Own-storage views]); ``keep_vars=True`` keeps the parameters themselves."""
+    their own ([Note: Own-storage views]). ``keep_vars=True`` keeps a registered sharded parameter itself, and
+    a DTensor the user assigned after ``fully_shard`` (taken over at lazy init) stays what it is."""
     def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
         for name, p in entries():
             key = prefix + name
-            if key in state_dict and state_dict[key] is not p.sharded:
+            if key not in state_dict:
+                continue
+            value = state_dict[key]
+            if module._parameters.get(name) is p.sharded and value is not p.sharded \
+                    or not isinstance(value, DTensor):
                 state_dict[key] = p.state_dict_value()
 
     return hook
