@@ -264,15 +264,12 @@ class ParamGroup:
         """``module`` (one of ``members``, the group's fully_shard modules) has converted its parameters."""
         self._converted.add(module)
         if all(m in self._converted for m in members):
-            # A parameter assigned since fully_shard was converted where it is registered, its sharded
-            # parameter was not: take it over first, or the link would copy the unconverted one.
-            self.adopt_reassigned(converted=True)
             self.relink()
         else:
             self.stale = True
 
     @torch.no_grad()
-    def adopt_reassigned(self, converted: bool = False) -> None:
+    def adopt_reassigned(self) -> None:
         """Take over parameters assigned to a module after ``fully_shard`` (at lazy init).
 
         ``module.weight = nn.Parameter(value)`` replaces the registered sharded
@@ -280,9 +277,7 @@ class ParamGroup:
         values. ``value`` (a full tensor or a DTensor) becomes the parameter's
         shard: the sharded parameter object is swapped onto it in place and the
         flat shard buffer rebuilt around it, on its device (the group may have
-        been on the meta device until then). ``converted``: called once the group's
-        modules were converted (``to()``, ``double()``...), when the value keeps the
-        dtype and device the conversion gave it, as the other parameters do.
+        been on the meta device until then).
         """
         if self.state is not ShardedState.SHARDED:
             return
@@ -308,8 +303,7 @@ class ParamGroup:
                     local = value.to_local()
                 else:
                     local = p.local_part(full_tensor(value))
-                # Keep the buffer where it is; a meta group moves to the value's device.
-                if not self.on_meta and not converted:
+                if not self.on_meta:  # keep the buffer where it is; a meta group moves to the value's device
                     local = local.to(self.flat_shard.device, self.flat_shard.dtype)
                 # The assigned object stays the sharded parameter (an optimizer built since holds it).
                 replacement = nn.Parameter(p.as_dtensor_of(local.detach()), requires_grad=value.requires_grad)
