@@ -67,8 +67,8 @@ def _sharded_values(entries: Callable[[], list[tuple[str, ShardedParam]]]):  # t
             if key not in state_dict:
                 continue
             value = state_dict[key]
-            if module._parameters.get(name) is p.sharded and value is not p.sharded \
-                    or not isinstance(value, DTensor):
+            registered_sharded = module._parameters.get(name) is p.sharded
+            if (registered_sharded and value is not p.sharded) or not isinstance(value, DTensor):
                 state_dict[key] = p.state_dict_value()
 
     return hook
