@@ -8,7 +8,7 @@ and a schedule (gradient accumulation with sync toggles, evaluation passes on al
 manual ``unshard()``, torch's or fullshard's SGD / AdamW, param groups splitting fullshard groups, an lr
 scheduler, clipping, EMA, a DCP checkpoint saved mid-run and loaded at another world size), how the model
 starts (built on the meta device and initialised after sharding, shard by shard or from rank 0's full state
-dict), explicit forward / backward prefetching, a block applied twice per forward and non-reentrant
+dict), a weight re-assigned as a ``DTensor`` after ``fully_shard``, explicit forward / backward prefetching, a block applied twice per forward and non-reentrant
 activation checkpoints inside or around the sharded blocks, and FSDP2's finer controls (2-D weights sharded on
 dim 1, ``set_reshard_after_backward(False)`` and ``set_is_last_backward(False)`` between micro-batches,
 ``set_gradient_divide_factor``, HSDP all-reduces on the last micro-batch only, ``register_fsdp_forward_method``,
@@ -112,6 +112,8 @@ class Case:
     method: bool = False  # the loss goes through Net.predict (the forward's body, not __call__), registered with
     # register_fsdp_forward_method
     mp_output: bool = False  # with mixed precision: output_dtype=float32
+    reassign: bool = False  # the last block's weight re-assigned after every fully_shard call, as a DTensor of the
+    # same values (before to_empty on a meta start: the conversion reaches the assigned value)
 
     def describe(self) -> str:
         plain = Case(self.seed)
@@ -294,7 +296,8 @@ def _draw_start(case: Case) -> Case:
     ac = rng.choice(["none", "none", "none", "inside", "outside"])
     if case.user in ("reentrant", "inplace_inputs") or case.branch == "ranks":
         ac = "none"
-    return dataclasses.replace(case, init=init, prefetch=prefetch, ac=ac, reuse=rng.random() < 0.2)
+    reassign = rng.random() < 0.15 and not (case.extension and len(case.widths) == 2)  # not the extension's weight
+    return dataclasses.replace(case, init=init, prefetch=prefetch, ac=ac, reuse=rng.random() < 0.2, reassign=reassign)
 
 
 def _draw_controls(case: Case) -> Case:
@@ -606,6 +609,9 @@ def shard(case: Case, model: Net, impl: str) -> None:
     fully_shard(model, **root)
     if case.tie == "after":
         model.post.weight = model.pre.weight
+    if case.reassign:
+        lin = model.blocks[-1].lin
+        lin.weight = nn.Parameter(lin.weight.detach().clone(), requires_grad=lin.weight.requires_grad)
     if case.method:
         register_fsdp_forward_method(model, "predict")
     if case.divide:  # each group's own setting (not inherited)

@@ -247,7 +247,7 @@ def _shard_norm_scaled(model: NormScaled) -> None:
     fully_shard(model)
 
 
-def _reassigned_after_fully_shard(rank: int, world_size: int, init: str) -> None:
+def _reassigned_after_fully_shard(rank: int, world_size: int, init: str, then: str) -> None:
     torch.manual_seed(0)
     ref = NormScaled()
     ref.init_scale()
@@ -270,17 +270,33 @@ def _reassigned_after_fully_shard(rank: int, world_size: int, init: str) -> None
         model.init_scale()  # computed from the sharded weights: a DTensor sharded like the parameter
         assert model.scale.placements == (Shard(0),)
     scale_param = model.scale
+    dtype = torch.float64 if then == "convert" else torch.float32
+    if then == "convert":
+        # A weight in a group with other parameters too, then a conversion before the first forward:
+        # what is converted is the assigned value, not the sharded parameter it replaced.
+        with torch.no_grad():
+            model.layer1.weight = nn.Parameter(model.layer1.weight * 0.5)
+            ref.layer1.weight.mul_(0.5)
+        model.to(dtype)
+        ref.to(dtype)
+    if then == "load":  # as a resumed run does before its first forward: the values load into the assigned object
+        with torch.no_grad():
+            ref.scale.mul_(0.5)
+        model.load_state_dict(ref.state_dict())
+        assert model.scale is scale_param
     batches = random_batches(3, world_size, regression_batch)
-    loss_fn = lambda m, b: (m(b[0]) - b[1][:, :1]).square().mean()  # noqa: E731
+    loss_fn = lambda m, b: (m(b[0].to(dtype)) - b[1][:, :1].to(dtype)).square().mean()  # noqa: E731
     trace = train(model, batches, loss_fn, rank=rank)
     assert_parity(train(ref, batches, loss_fn, rank=None), trace, rank)
     # The assigned object stays the parameter (the optimizer was built before the first forward).
     assert model.scale is scale_param and model.scale.placements == (Shard(0),)
+    assert {p.to_local().dtype for p in model.parameters()} == {dtype}
 
 
+@pytest.mark.parametrize("then", ["train", "convert", "load"])
 @pytest.mark.parametrize("init", ["meta", "dtensor", "replicated"])
-def test_parameter_assigned_after_fully_shard(init: str) -> None:
-    run_ranks(2, _reassigned_after_fully_shard, init)
+def test_parameter_assigned_after_fully_shard(init: str, then: str) -> None:
+    run_ranks(2, _reassigned_after_fully_shard, init, then)
 
 
 def _reassigned_with_wrong_shape(rank: int, world_size: int) -> None:

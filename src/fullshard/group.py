@@ -262,6 +262,8 @@ class ParamGroup:
 
     def member_converted(self, module: nn.Module, members: tuple[nn.Module, ...]) -> None:
         """``module`` (one of ``members``, the group's fully_shard modules) has converted its parameters."""
+        # A DTensor assigned after fully_shard was converted in place of the sharded parameter it replaced.
+        self.adopt_reassigned(converted=True)
         self._converted.add(module)
         if all(m in self._converted for m in members):
             self.relink()
@@ -269,23 +271,29 @@ class ParamGroup:
             self.stale = True
 
     @torch.no_grad()
-    def adopt_reassigned(self) -> None:
-        """Take over parameters assigned to a module after ``fully_shard`` (at lazy init).
+    def adopt_reassigned(self, converted: bool = False) -> bool:
+        """Take over parameters assigned to a module after ``fully_shard``; whether there were any.
 
         ``module.weight = nn.Parameter(value)`` replaces the registered sharded
         parameter, e.g. a weight norm computed once the other groups hold real
-        values. ``value`` (a full tensor or a DTensor) becomes the parameter's
-        shard: the sharded parameter object is swapped onto it in place and the
-        flat shard buffer rebuilt around it, on its device (the group may have
-        been on the meta device until then).
+        values. ``value`` (a DTensor of any placement) becomes the parameter's
+        shard: the assigned object is swapped in place onto this rank's part, so
+        an optimizer built since holds the live parameter. It is taken over at
+        lazy init, and before anything could miss it: a conversion (which
+        reached the value, not the parameter it replaced; the value keeps its
+        new dtype and device when ``converted``) and ``load_state_dict``. Else
+        it moves to the flat shard buffer's dtype and device (a meta group moves
+        to the value's). The caller links the group again. Another group's
+        sharded parameter is a tie made after ``fully_shard``, taken over at
+        lazy init (``_take_over_late_ties`` in runtime.py), and is left alone.
         """
         if self.state is not ShardedState.SHARDED:
-            return
-        swapped = False
+            return False
+        swapped = []
         for p in self.params:
             for site in p.sites:
                 value = site.module._parameters.get(site.name)
-                if value is None or value is p.sharded or value is p.unsharded:
+                if value is None or value is p.sharded or value is p.unsharded or group_of(value) is not None:
                     continue
                 if tuple(value.shape) != p.shape:
                     raise ValueError(
@@ -303,17 +311,17 @@ class ParamGroup:
                     local = value.to_local()
                 else:
                     local = p.local_part(full_tensor(value))
-                if not self.on_meta:  # keep the buffer where it is; a meta group moves to the value's device
+                if not converted and not self.on_meta:
                     local = local.to(self.flat_shard.device, self.flat_shard.dtype)
                 # The assigned object stays the sharded parameter (an optimizer built since holds it).
                 replacement = nn.Parameter(p.as_dtensor_of(local.detach()), requires_grad=value.requires_grad)
                 torch.utils.swap_tensors(value, replacement)
                 p.sharded = cast(DTensor, value)
                 p.state_dict_view = None
-                swapped = True
-            p.register(p.sharded)
-        if swapped:
-            self.relink()
+                swapped.append(p)
+        for p in swapped:
+            p.register(p.sharded)  # every site of the parameter, not only the one assigned
+        return bool(swapped)
 
     @torch.no_grad()
     def take_over(self, p: ShardedParam, value: torch.Tensor) -> None:

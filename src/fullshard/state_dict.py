@@ -4,8 +4,9 @@
 ``model.state_dict()`` always holds the sharded ``DTensor`` parameters, also
 while a group is unsharded (e.g. the root after forward). ``load_state_dict``
 accepts, per parameter, a ``DTensor`` of any placement or the full tensor:
-before loading, the group is resharded and every value is turned into this
-rank's shard; after loading, a parameter that ``assign=True`` replaced is
+before loading, the group is resharded, a DTensor the user assigned in place
+of a sharded parameter is taken over (the values load into the assigned
+object) and every value is turned into this rank's shard; after loading, a parameter that ``assign=True`` replaced is
 copied back into the flat shard buffer and the original parameter object is
 registered again, so optimizers keep pointing at the live parameters.
 """
@@ -78,6 +79,8 @@ def _to_local_shards(group: ParamGroup, entries: Callable[[], list[tuple[str, Sh
     def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         group.reshard()
         group.streams.shards_written()  # the load writes into the flat shard buffer on the compute stream
+        if group.adopt_reassigned():  # the values load into the assigned objects (an optimizer may hold them)
+            group.stale = True
         for name, p in entries():
             key = prefix + name
             value = state_dict.get(key)
