@@ -8,9 +8,10 @@ and a schedule (gradient accumulation with sync toggles, evaluation passes on al
 manual ``unshard()``, torch's or fullshard's SGD / AdamW, param groups splitting fullshard groups, an lr
 scheduler, clipping, EMA, a DCP checkpoint saved mid-run and loaded at another world size), how the model
 starts (built on the meta device and initialised after sharding, shard by shard or from rank 0's full state
-dict), a weight re-assigned as a ``DTensor`` after ``fully_shard``, explicit forward / backward prefetching, a block applied twice per forward and non-reentrant
-activation checkpoints inside or around the sharded blocks, and FSDP2's finer controls (2-D weights sharded on
-dim 1, ``set_reshard_after_backward(False)`` and ``set_is_last_backward(False)`` between micro-batches,
+dict), a weight re-assigned as a ``DTensor`` after ``fully_shard``, explicit forward / backward prefetching, a
+block applied twice per forward and non-reentrant activation checkpoints inside or around the sharded blocks, and
+FSDP2's finer controls (2-D weights sharded on dim 1, ``set_reshard_after_backward(False)`` and
+``set_is_last_backward(False)`` between micro-batches,
 ``set_gradient_divide_factor``, HSDP all-reduces on the last micro-batch only, ``register_fsdp_forward_method``,
 a mixed-precision ``output_dtype``).
 
@@ -180,14 +181,16 @@ class Case:
             return 1
         return self.steps
 
-    def normed(self, width: int) -> bool:
-        """Whether a block of output ``width`` ends in a LayerNorm. Over one or two features a LayerNorm's output
-        is constant (0, or +-1): its input gradient is rounding noise, so those blocks have none."""
-        return self.norm and width >= 3
+    def normed(self, d_in: int, d_out: int) -> bool:
+        """Whether a block from ``d_in`` to ``d_out`` features ends in a LayerNorm. Over one or two features a
+        LayerNorm's output is constant (0, or +-1), and after a layer from one feature it is the normalised weight
+        times the input's sign: its input gradient is rounding noise (AdamW turns that into whole steps, in
+        directions bf16 compute draws differently; seed 20040), so those blocks have none."""
+        return self.norm and d_out >= 3 and d_in >= 2
 
     @property
     def _norm_after_narrower_layer(self) -> bool:
-        return any(self.normed(b) and a < b for a, b in zip(self.widths, self.widths[1:]))
+        return any(self.normed(a, b) and a < b for a, b in zip(self.widths, self.widths[1:]))
 
     @property
     def tolerance(self) -> dict[str, float]:
@@ -324,7 +327,7 @@ class Block(nn.Module):
         super().__init__()
         self.case, self.index = case, index
         self.lin = nn.Linear(d_in, d_out, bias=case.bias)
-        self.norm = nn.LayerNorm(d_out) if case.normed(d_out) else None
+        self.norm = nn.LayerNorm(d_out) if case.normed(d_in, d_out) else None
         if case.buffers:
             self.register_buffer("scale", torch.linspace(0.5, 1.5, d_out))
         if case.zero_numel and index == 0:
