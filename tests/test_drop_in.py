@@ -279,10 +279,10 @@ def _reassigned_after_fully_shard(rank: int, world_size: int, init: str, then: s
             ref.layer1.weight.mul_(0.5)
         model.to(dtype)
         ref.to(dtype)
-    if then == "load":  # as a resumed run does before its first forward: the values load into the assigned object
+    if then in ("load", "load_assign"):  # as a resumed run does before its first forward: into the assigned object
         with torch.no_grad():
             ref.scale.mul_(0.5)
-        model.load_state_dict(ref.state_dict())
+        model.load_state_dict(copy.deepcopy(ref.state_dict()), assign=then == "load_assign")
         assert model.scale is scale_param
     batches = random_batches(3, world_size, regression_batch)
     loss_fn = lambda m, b: (m(b[0].to(dtype)) - b[1][:, :1].to(dtype)).square().mean()  # noqa: E731
@@ -293,10 +293,58 @@ def _reassigned_after_fully_shard(rank: int, world_size: int, init: str, then: s
     assert {p.to_local().dtype for p in model.parameters()} == {dtype}
 
 
-@pytest.mark.parametrize("then", ["train", "convert", "load"])
+@pytest.mark.parametrize("then", ["train", "convert", "load", "load_assign"])
 @pytest.mark.parametrize("init", ["meta", "dtensor", "replicated"])
 def test_parameter_assigned_after_fully_shard(init: str, then: str) -> None:
     run_ranks(2, _reassigned_after_fully_shard, init, then)
+
+
+class TokHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Linear(4, 4, bias=False)
+        self.head = nn.Linear(4, 4, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.tok(x)))
+
+
+def _assigned_and_tied(rank: int, world_size: int, steps: str) -> None:
+    torch.manual_seed(0)
+    model = TokHead()
+    ref = copy.deepcopy(model)
+    fully_shard(model.tok)
+    fully_shard(model.head)
+    fully_shard(model)
+    dtype = torch.float32
+    for step in steps.split("-"):  # the same on the sharded model and the reference, as plain PyTorch means it
+        if step == "assign":
+            with torch.no_grad():
+                model.tok.weight = nn.Parameter(model.tok.weight * 2)
+                ref.tok.weight = nn.Parameter(ref.tok.weight * 2)
+        elif step == "tie":
+            model.head.weight = model.tok.weight
+            ref.head.weight = ref.tok.weight
+        elif step == "convert":
+            dtype = torch.float64
+            model.to(dtype)
+            ref.to(dtype)
+        elif step == "load":
+            model.load_state_dict(copy.deepcopy(ref.state_dict()))
+    batches = random_batches(3, world_size, functools.partial(regression_batch, in_dim=4, out_dim=4))
+    loss_fn = lambda m, b: (m(b[0].to(dtype)) - b[1].to(dtype)).square().mean()  # noqa: E731
+    trace = train(model, batches, loss_fn, rank=rank)
+    assert_parity(train(ref, batches, loss_fn, rank=None), trace, rank)
+    assert (model.head.weight is model.tok.weight) == (ref.head.weight is ref.tok.weight)
+    assert len(list(model.parameters())) == len(list(ref.parameters()))
+
+
+@pytest.mark.parametrize("steps", ["assign-tie", "assign-convert-tie", "assign-load-tie", "tie-assign",
+                                   "tie-assign-convert", "tie-assign-load"])
+def test_parameter_assigned_and_tied_after_fully_shard(steps: str) -> None:
+    """An assigned DTensor tied to another group's module (one parameter, trained once), or a tie whose source
+    is then replaced (two parameters), with a conversion or a load before the first forward."""
+    run_ranks(2, _assigned_and_tied, steps)
 
 
 def _reassigned_with_wrong_shape(rank: int, world_size: int) -> None:

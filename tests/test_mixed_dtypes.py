@@ -11,7 +11,7 @@ from fullshard.runtime import state_of
 from tests.comm import CommRecorder
 from tests.harness import run_ranks
 from tests.models import mse_loss
-from tests.parity import random_batches, regression_batch, run_parity
+from tests.parity import assert_parity, random_batches, regression_batch, run_parity, train
 
 BF16 = torch.bfloat16
 BF16_TOL = {"rtol": 2e-2, "atol": 1e-2}
@@ -118,3 +118,24 @@ def _state_dict_offload_and_meta(rank: int, world_size: int) -> None:
 
 def test_state_dict_offload_and_meta_init() -> None:
     run_ranks(2, _state_dict_offload_and_meta)
+
+
+def _assigned_then_loaded(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    ref = MixedNet()
+    torch.manual_seed(0)
+    model = MixedNet()
+    fully_shard(model)
+    with torch.no_grad():
+        model.scale = nn.Parameter(model.scale * 3)  # a float64 DTensor in the group's byte buffer
+        ref.scale.mul_(1.5)
+    scale = model.scale
+    model.load_state_dict(ref.state_dict())  # before the first forward: loads into the assigned object
+    assert model.scale is scale and scale.dtype == torch.float64
+    batches = random_batches(3, world_size, regression_batch)
+    assert_parity(train(ref, batches, mse_loss, rank=None), train(model, batches, mse_loss, rank=rank), rank, **BF16_TOL)
+    assert model.scale is scale and scale.to_local().dtype == torch.float64
+
+
+def test_parameter_assigned_after_fully_shard_then_loaded() -> None:
+    run_ranks(2, _assigned_then_loaded)

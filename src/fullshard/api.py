@@ -629,6 +629,7 @@ class FSDPModule:
         state = self._get_hook_state()
         if state.group is not None:
             state.group.reshard()
+            state.group.adopt_reassigned()  # so that the conversion reaches the group's parameters
         result = super()._apply(fn, recurse)  # type: ignore[misc]
         if state.group is not None:
             state.group.member_converted(self._as_module(), state.modules)

@@ -262,8 +262,6 @@ class ParamGroup:
 
     def member_converted(self, module: nn.Module, members: tuple[nn.Module, ...]) -> None:
         """``module`` (one of ``members``, the group's fully_shard modules) has converted its parameters."""
-        # A DTensor assigned after fully_shard was converted in place of the sharded parameter it replaced.
-        self.adopt_reassigned(converted=True)
         self._converted.add(module)
         if all(m in self._converted for m in members):
             self.relink()
@@ -271,19 +269,19 @@ class ParamGroup:
             self.stale = True
 
     @torch.no_grad()
-    def adopt_reassigned(self, converted: bool = False) -> bool:
+    def adopt_reassigned(self) -> bool:
         """Take over parameters assigned to a module after ``fully_shard``; whether there were any.
 
         ``module.weight = nn.Parameter(value)`` replaces the registered sharded
         parameter, e.g. a weight norm computed once the other groups hold real
         values. ``value`` (a DTensor of any placement) becomes the parameter's
-        shard: the assigned object is swapped in place onto this rank's part, so
-        an optimizer built since holds the live parameter. It is taken over at
-        lazy init, and before anything could miss it: a conversion (which
-        reached the value, not the parameter it replaced; the value keeps its
-        new dtype and device when ``converted``) and ``load_state_dict``. Else
-        it moves to the flat shard buffer's dtype and device (a meta group moves
-        to the value's). The caller links the group again. Another group's
+        shard, in the parameter's dtype and on the flat shard buffer's device
+        (a meta group moves to the value's): the assigned object is swapped in
+        place onto this rank's part, so an optimizer built since holds the live
+        parameter. It is taken over at lazy init, and before anything that
+        would miss it: a conversion (``model.double()`` would reach the value,
+        not the parameter it replaced) and ``load_state_dict`` (which loads
+        into the value). The caller links the group again. Another group's
         sharded parameter is a tie made after ``fully_shard``, taken over at
         lazy init (``_take_over_late_ties`` in runtime.py), and is left alone.
         """
@@ -311,8 +309,7 @@ class ParamGroup:
                     local = value.to_local()
                 else:
                     local = p.local_part(full_tensor(value))
-                if not converted and not self.on_meta:
-                    local = local.to(self.flat_shard.device, self.flat_shard.dtype)
+                local = local.to(device=local.device if self.on_meta else self.flat_shard.device, dtype=p.orig_dtype)
                 # The assigned object stays the sharded parameter (an optimizer built since holds it).
                 replacement = nn.Parameter(p.as_dtensor_of(local.detach()), requires_grad=value.requires_grad)
                 torch.utils.swap_tensors(value, replacement)
@@ -321,6 +318,8 @@ class ParamGroup:
                 swapped.append(p)
         for p in swapped:
             p.register(p.sharded)  # every site of the parameter, not only the one assigned
+        if swapped:
+            self._register_owner()  # group_of() knows the assigned objects, no longer the ones they replaced
         return bool(swapped)
 
     @torch.no_grad()

@@ -378,10 +378,14 @@ class HookState:
                     prefix = module_names.get(p.sites[0].module, "")
                     p.fqn = f"{prefix}.{p.sites[0].name}" if prefix else p.sites[0].name
         _check_no_shared_originals(states)
+        groups = [state.group for state in states if state.group is not None]
+        # A value adopted by one group may free the object it replaced for another (``b.w = a.w; a.w = new``):
+        # adopt until no group takes anything more, then tie what is registered in more than one group.
+        while any([group.adopt_reassigned() for group in groups]):
+            pass
         _take_over_late_ties(states, module_names)
         for state in states:
             if state.group is not None:
-                state.group.adopt_reassigned()
                 state.group.relink()  # also after conversions that bypassed FSDPModule._apply (a submodule's to())
         ctx = IterationContext(states, self.streams)
         for state in states:

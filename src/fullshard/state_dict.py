@@ -6,9 +6,10 @@ while a group is unsharded (e.g. the root after forward). ``load_state_dict``
 accepts, per parameter, a ``DTensor`` of any placement or the full tensor:
 before loading, the group is resharded, a DTensor the user assigned in place
 of a sharded parameter is taken over (the values load into the assigned
-object) and every value is turned into this rank's shard; after loading, a parameter that ``assign=True`` replaced is
-copied back into the flat shard buffer and the original parameter object is
-registered again, so optimizers keep pointing at the live parameters.
+object) and every value is turned into this rank's shard; after loading, a
+parameter that ``assign=True`` replaced is copied back into the flat shard
+buffer and the original parameter object is registered again, so optimizers
+keep pointing at the live parameters.
 """
 
 from __future__ import annotations
