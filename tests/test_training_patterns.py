@@ -4,6 +4,7 @@ inference forwards, activation checkpointing, several forwards per backward, zer
 from __future__ import annotations
 
 import functools
+import warnings
 
 import pytest
 import torch
@@ -378,7 +379,9 @@ def _ignored(rank: int, world_size: int) -> None:
     assert model.layers[0].bias is ignored and type(ignored) is nn.Parameter  # not sharded
     assert isinstance(model.layers[0].weight, DTensor)
     x, y = regression_batch(torch.Generator().manual_seed(rank))
-    mse_loss(model, (x, y)).backward()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*registered after fully_shard")  # ignored on purpose
+        mse_loss(model, (x, y)).backward()
     mse_loss(ref, (x, y)).backward()
     # Not reduced: the ignored parameter keeps this rank's own gradient.
     torch.testing.assert_close(ignored.grad, ref.layers[0].bias.grad)
@@ -394,3 +397,19 @@ def _ignored(rank: int, world_size: int) -> None:
 
 def test_ignored_params_and_modules() -> None:
     run_ranks(2, _ignored)
+
+
+def _registered_after_fully_shard(rank: int, world_size: int) -> None:
+    model = MLP()
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    model.layers[0].extra = nn.Parameter(torch.zeros(3))  # neither sharded nor reduced
+    model.layers[1].frozen = nn.Parameter(torch.zeros(3), requires_grad=False)  # no gradient to reduce
+    with pytest.warns(UserWarning, match=r"registered after fully_shard .* own copy: layers\.0\.extra; register") as seen:
+        mse_loss(model, regression_batch(torch.Generator().manual_seed(rank)))
+    assert len(seen) == 1
+
+
+def test_parameter_registered_after_fully_shard_warns() -> None:
+    run_ranks(2, _registered_after_fully_shard)

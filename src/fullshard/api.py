@@ -195,6 +195,7 @@ def fully_shard(
                 if state.group is lower:
                     state.group = None
     state = HookState(tuple(modules), group, device, reshard_after_forward, mp_policy, streams)
+    state.ignored_params = frozenset(ignored)
     state.make_group = make_group  # a group formed later (a tie made after fully_shard), with this call's settings
     for mod in modules:
         _become_fsdp_module(mod)

@@ -46,14 +46,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterable
 from enum import Enum, auto
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from fullshard import failures
@@ -318,6 +321,7 @@ class HookState:
     ) -> None:
         self.modules = modules
         self.group = group
+        self.ignored_params: frozenset[torch.Tensor] = frozenset()  # fully_shard's ignored_params
         self.device = device
         self.mp_policy = mp_policy
         self.streams = streams
@@ -387,6 +391,7 @@ class HookState:
         for state in states:
             if state.group is not None:
                 state.group.relink()  # also after conversions that bypassed FSDPModule._apply (a submodule's to())
+        _warn_unmanaged(states, module_names)
         ctx = IterationContext(states, self.streams)
         for state in states:
             state.ctx = ctx
@@ -707,6 +712,24 @@ def _nearest_enclosing_state(
                 if best is None or depth > best[0]:
                     best = (depth, state)
     return best[1] if best is not None else None
+
+
+def _warn_unmanaged(states: list[HookState], module_names: dict[nn.Module, str]) -> None:
+    """Warn about trainable parameters registered after ``fully_shard`` (``module.lora = nn.Parameter(...)``):
+    no group shards them and nothing reduces their gradients, so each rank would train its own copy."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    ignored = frozenset().union(*(state.ignored_params for state in states))
+    names = [f"{prefix}.{name}" if prefix else name
+             for module, prefix in module_names.items() for name, p in module.named_parameters(recurse=False)
+             if p.requires_grad and not isinstance(p, DTensor) and p not in ignored]
+    if names:
+        warnings.warn(
+            f"parameters registered after fully_shard are neither sharded nor reduced across ranks, so each rank "
+            f"trains its own copy: {', '.join(names)}; register them before calling fully_shard, or pass them "
+            "as ignored_params and synchronise them yourself",
+            stacklevel=2,
+        )
 
 
 def _check_no_shared_originals(states: list[HookState]) -> None:
