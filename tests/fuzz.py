@@ -115,6 +115,8 @@ class Case:
     mp_output: bool = False  # with mixed precision: output_dtype=float32
     reassign: bool = False  # the last block's weight re-assigned after every fully_shard call, as a DTensor of the
     # same values (before to_empty on a meta start: the conversion reaches the assigned value)
+    reassign_later: bool = False  # at step 1 the last block's weight re-assigned as half its value (a DTensor on the
+    # sharded runs) and added to the optimizer as a group of its own; the replaced parameter keeps its state
 
     def describe(self) -> str:
         plain = Case(self.seed)
@@ -242,7 +244,7 @@ def draw(seed: int) -> Case:
         kw.update(tie=rng.choice(["none", "within"]), zero_numel=False, quantized=False, ema=False, mixed_dtype=False,
                   branch=rng.choice(["none", "steps", "param_steps"]), optim=rng.choice(["sgd", "adamw"]),
                   clip=rng.choice(["none", "torch"]))
-        return _draw_controls(_draw_start(_draw_user(_draw_more(Case(seed, **kw)))))
+        return _draw_later(_draw_controls(_draw_start(_draw_user(_draw_more(Case(seed, **kw))))))
     if rng.random() < 0.12:
         kw["resume_ws"] = rng.choice([w for w in (1, 2, 4) if w != ws])
         kw["hsdp"], kw["reshard"] = False, "true" if kw["reshard"] == "int" else kw["reshard"]
@@ -250,7 +252,15 @@ def draw(seed: int) -> Case:
         kw["steps"] = max(kw["steps"], 3)
         kw["eval_pass"] = "all" if kw["eval_pass"] == "replica" else kw["eval_pass"]
         kw["scheduler"] = kw["ema"] = False  # their state is not part of the checkpoint
-    return _draw_controls(_draw_start(_draw_user(_draw_more(Case(seed, **kw)))))
+    return _draw_later(_draw_controls(_draw_start(_draw_user(_draw_more(Case(seed, **kw))))))
+
+
+def _draw_later(case: Case) -> Case:
+    """Changes to the model between steps, from a stream of their own; not where torch's FSDP2 is compared (it
+    trains on with the parameter it sharded) nor before a checkpoint (the resumed optimizer has no such group)."""
+    rng = random.Random(f"later-{case.seed}")
+    later = rng.random() < 0.15 and not case.fsdp2_supported and case.resume_ws == 0
+    return dataclasses.replace(case, reassign_later=later and not (case.extension and len(case.widths) == 2))
 
 
 def _draw_more(case: Case) -> Case:
@@ -681,6 +691,12 @@ def _step(case: Case, model: Net, opt: torch.optim.Optimizer, sched: Any, ema: A
 
     model.step = step
     ws = len(data[step][0])
+    if case.reassign_later and step == 1:
+        lin = model.blocks[-1].lin
+        with torch.no_grad():
+            lin.weight = nn.Parameter(lin.weight * 0.5, requires_grad=lin.weight.requires_grad)
+        if lin.weight.requires_grad:  # Muon takes the matrices
+            (opt.optimizers[0] if isinstance(opt, Optimizers) else opt).add_param_group({"params": [lin.weight]})
     if case.eval_pass != "none" and (case.eval_pass == "all" or rank in (None, 0) or (case.hsdp and rank == 1)):
         with torch.no_grad():
             model.set_rank(0 if rank is None else case.data_rank(rank))

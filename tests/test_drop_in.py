@@ -366,3 +366,64 @@ def _reassigned_with_plain_tensor(rank: int, world_size: int) -> None:
 def test_parameter_assigned_with_wrong_shape_or_type() -> None:
     run_ranks(2, _reassigned_with_wrong_shape)
     run_ranks(2, _reassigned_with_plain_tensor)
+
+
+def _changed_between_steps(rank: int, world_size: int, change: str) -> None:
+    """What plain PyTorch code does to a model between two steps, done to the sharded model after its first
+    steps: the rest of training matches the unsharded model changed alike."""
+    torch.manual_seed(0)
+    model = TokHead()
+    ref = copy.deepcopy(model)
+    fully_shard(model.tok)
+    fully_shard(model.head)
+    fully_shard(model)
+    batches = random_batches(4, world_size, functools.partial(regression_batch, in_dim=4, out_dim=4))
+    loss_fn = lambda m, b: (m(b[0]) - b[1]).square().mean()  # noqa: E731
+    assert_parity(train(ref, batches[:2], loss_fn, rank=None), train(model, batches[:2], loss_fn, rank=rank), rank)
+    if change == "assign":  # a re-initialised weight, computed from the sharded one (a DTensor)
+        with torch.no_grad():
+            model.tok.weight = nn.Parameter(model.tok.weight * 2 + 1)
+            ref.tok.weight = nn.Parameter(ref.tok.weight * 2 + 1)
+    elif change == "tie":
+        model.head.weight = model.tok.weight
+        ref.head.weight = ref.tok.weight
+    elif change == "replace":  # a new head, sharded before it is put in place
+        torch.manual_seed(1)
+        ref.head = nn.Linear(4, 4)
+        torch.manual_seed(1)
+        model.head = fully_shard(nn.Linear(4, 4))
+    # The optimizers are built anew: the parameter objects changed, as they did on the reference.
+    trace = train(model, batches[2:], loss_fn, rank=rank)
+    assert_parity(train(ref, batches[2:], loss_fn, rank=None), trace, rank)
+    assert all(isinstance(p, DTensor) and p.placements == (Shard(0),) for p in model.parameters())
+    assert len(list(model.parameters())) == len(list(ref.parameters()))
+
+
+@pytest.mark.parametrize("change", ["assign", "tie", "replace"])
+def test_model_changed_after_the_first_steps(change: str) -> None:
+    """FSDP2 trains on with the parameters it sharded (an assignment or a tie is silently ignored)."""
+    run_ranks(2, _changed_between_steps, change)
+
+
+def _unmanaged_after_the_first_steps(rank: int, world_size: int, change: str) -> None:
+    model = TokHead()
+    fully_shard(model.head)
+    fully_shard(model)
+    batch = (torch.randn(2, 4), torch.randn(2, 4))
+    mse_loss(model, batch).backward()
+    if change == "plain":
+        model.head.weight = nn.Parameter(torch.ones(4, 4))
+        with pytest.raises(ValueError, match=r"'head\.weight' was re-assigned after fully_shard with a plain tensor"):
+            mse_loss(model, batch)
+        assert torch.equal(model.state_dict()["head.weight"], torch.ones(4, 4))  # what is registered, as FSDP2
+    else:
+        model.head = nn.Linear(4, 4)
+        with pytest.warns(UserWarning, match=r"registered after fully_shard .* own copy: head\.weight, head\.bias; "):
+            mse_loss(model, batch)
+
+
+@pytest.mark.parametrize("change", ["plain", "replace"])
+def test_model_changed_after_the_first_steps_unmanaged(change: str) -> None:
+    """A plain tensor assigned in place of a sharded parameter raises at the next forward (FSDP2 trains on with
+    the parameter it sharded); a module put in place unsharded warns that each rank trains its own copy."""
+    run_ranks(2, _unmanaged_after_the_first_steps, change)

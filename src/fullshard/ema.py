@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from fullshard.errors import expect_module
 from fullshard.group import group_of
 from fullshard.param import full_tensor
-from fullshard.runtime import TrainingState, states_in
+from fullshard.runtime import TrainingState, registrations, states_in
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -30,6 +30,8 @@ class EMA:
     ``DTensor``s keyed like the model's parameters, so it goes into
     ``torch.distributed.checkpoint`` next to the model and loads at another world
     size; :meth:`full_state_dict` gathers full tensors (rank 0 by default).
+    It follows the parameters by name: one assigned later in place of another
+    (``block.weight = nn.Parameter(...)``) is averaged from the next update on.
 
     Works on plain (unsharded) models too, e.g. as the reference in a test.
     """
@@ -44,11 +46,16 @@ class EMA:
             if state.group is not None:
                 state.group.reshard()
         self._params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+        self._registrations_seen = registrations.count
         with torch.no_grad():
             self._average = {name: p.detach().clone() for name, p in self._params.items()}
 
     def _pairs(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         self._check_idle("EMA")
+        if self._registrations_seen != registrations.count:  # a parameter may have been assigned since
+            now = dict(self.model.named_parameters(remove_duplicate=False))
+            self._params = {name: now.get(name, p) for name, p in self._params.items()}
+            self._registrations_seen = registrations.count
         names = list(self._params)
         return [_local(self._average[n]) for n in names], [_local(self._params[n]).detach() for n in names]
 

@@ -348,8 +348,6 @@ class ParamGroup:
         parameter object is swapped in place onto a view of it, so optimizers and
         user references keep working.
         """
-        self.reshard()
-        self.streams.shards_written()
         locals_ = [inner_tensor(p.sharded.to_local()) for p in self.params]
         if len({loc.device for loc in locals_}) > 1:  # some not converted yet ([Note: Converting a group])
             self.stale = True
@@ -363,7 +361,9 @@ class ParamGroup:
             and loc.storage_offset() == p.local_rows(chunk).storage_offset()
             for p, loc, chunk in zip(self.params, locals_, chunks)
         ):
-            return
+            return  # linked already (a group kept unsharded stays so)
+        self.reshard()
+        self.streams.shards_written()
         dtype, device = locals_[0].dtype, locals_[0].device
         if self.offload_to_cpu and device.type != "meta":
             device = torch.device("cpu")  # offloaded shards stay in host memory, wherever the module was moved

@@ -119,6 +119,34 @@ def in_backward() -> bool:
 # arrived. Memory in between is that of reshard_after_forward=False.
 
 
+# [Note: Changes after the first forward]
+# Lazy init takes over what was assigned to the modules after fully_shard: a DTensor
+# assigned in place of a sharded parameter, a tie to another group's parameter, and it
+# warns about parameters that no group manages. The same can happen later, between two
+# steps (a layer re-initialised by assigning a new parameter, a head tied or replaced), and
+# the forward would then silently train the old parameter. Every parameter or submodule
+# registration in the process (``module.w = nn.Parameter(...)``, ``register_parameter``,
+# ``module.head = nn.Linear(...)``) bumps ``registrations.count`` through torch's global
+# registration hooks; a root's forward that sees a new count checks its module tree again:
+# new states join, states whose modules left the tree leave, assignments are taken over as
+# at lazy init. A training loop that registers nothing pays one comparison per step.
+
+
+class _Registrations:
+    """How many parameters and submodules were registered on any module of this process."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        nn.modules.module.register_module_parameter_registration_hook(self._registered)
+        nn.modules.module.register_module_module_registration_hook(self._registered)
+
+    def _registered(self, module: nn.Module, name: str, value: object) -> None:
+        self.count += 1  # returns None: the registered value stays what it is
+
+
+registrations = _Registrations()
+
+
 class IterationContext:
     """What every state under one root shares: recorded order, in-flight reductions, backward flags."""
 
@@ -140,6 +168,7 @@ class IterationContext:
         self.is_last_backward = True  # False: leave reductions in flight past this backward (micro-batching)
         self.graph_kept = False  # a backward with create_graph=True left groups unsharded ([Note: Double backward])
         self.post_optim_event: torch.Event | None = None
+        self.registrations_seen = -1  # registrations.count when the states were last checked
         # Implicit prefetch: how many groups ahead, and when in backward.
         self.forward_prefetch_depth = 1
         self.backward_prefetch_depth = 1
@@ -368,8 +397,34 @@ class HookState:
         root yet. A state that was a root earlier, because its module ran on its
         own first, becomes a non-root of the enclosing root.
         """
-        root_module = self.modules[0]
-        module_names = {module: name for name, module in root_module.named_modules()}
+        return self._check_tree(None)
+
+    def _check_tree(self, ctx: IterationContext | None) -> IterationContext:
+        """Find the states in this root's module tree and take over what was assigned to their modules; at
+        lazy init (``ctx`` None) and when parameters or modules were registered since ([Note: Changes after
+        the first forward])."""
+        states, module_names = self._states_in_tree()
+        _check_no_shared_originals(states)
+        _take_over_assignments(states, module_names)
+        if ctx is None:
+            ctx = IterationContext(states, self.streams)
+        ctx.states = states
+        for state in states:
+            state.ctx = ctx
+            # One set of communication streams per root: more would only add synchronisation.
+            state.streams = self.streams
+            if state.group is not None:
+                state.group.streams = self.streams
+            state.is_root = state is self
+            if state.reshard_after_forward_arg is None:
+                # Like FSDP2: the root's parameters are needed first in backward, keep them.
+                state.reshard_after_forward = not state.is_root
+        ctx.registrations_seen = registrations.count
+        return ctx
+
+    def _states_in_tree(self) -> tuple[list[HookState], dict[nn.Module, str]]:
+        """The states in this root's module tree, their groups and parameters named from the root."""
+        module_names = {module: name for name, module in self.modules[0].named_modules()}
         states: list[HookState] = []
         for module, name in module_names.items():
             state = state_of(module)
@@ -381,29 +436,7 @@ class HookState:
                 for p in state.group.params:
                     prefix = module_names.get(p.sites[0].module, "")
                     p.fqn = f"{prefix}.{p.sites[0].name}" if prefix else p.sites[0].name
-        _check_no_shared_originals(states)
-        groups = [state.group for state in states if state.group is not None]
-        # A value adopted by one group may free the object it replaced for another (``b.w = a.w; a.w = new``):
-        # adopt until no group takes anything more, then tie what is registered in more than one group.
-        while any([group.adopt_reassigned() for group in groups]):
-            pass
-        _take_over_late_ties(states, module_names)
-        for state in states:
-            if state.group is not None:
-                state.group.relink()  # also after conversions that bypassed FSDPModule._apply (a submodule's to())
-        _warn_unmanaged(states, module_names)
-        ctx = IterationContext(states, self.streams)
-        for state in states:
-            state.ctx = ctx
-            # One set of communication streams per root: more would only add synchronisation.
-            state.streams = self.streams
-            if state.group is not None:
-                state.group.streams = self.streams
-            state.is_root = state is self
-            if state.reshard_after_forward_arg is None:
-                # Like FSDP2: the root's parameters are needed first in backward, keep them.
-                state.reshard_after_forward = not state.is_root
-        return ctx
+        return states, module_names
 
     # ---- forward -------------------------------------------------------------
 
@@ -425,6 +458,8 @@ class HookState:
         if self.is_root:
             if ctx.needs_recovery():
                 ctx.recover()
+            if ctx.registrations_seen != registrations.count:
+                self._check_tree(ctx)
             ctx.monitor.root_forward()
             ctx.start_forward()
             self.streams.shards_written(ctx.post_optim_event)  # the optimizer step (or the given event) came last
@@ -622,6 +657,21 @@ def tensors_in(tree: Any) -> list[torch.Tensor]:
     return found
 
 
+def _take_over_assignments(states: list[HookState], module_names: dict[nn.Module, str]) -> None:
+    """Manage what was assigned to the modules since ``fully_shard`` (or the root's last check): re-assigned
+    parameters, ties, and warn about parameters no group manages."""
+    groups = [state.group for state in states if state.group is not None]
+    # A value adopted by one group may free the object it replaced for another (``b.w = a.w; a.w = new``):
+    # adopt until no group takes anything more, then tie what is registered in more than one group.
+    while any([group.adopt_reassigned() for group in groups]):
+        pass
+    _take_over_late_ties(states, module_names)
+    for state in states:
+        if state.group is not None:
+            state.group.relink()  # also after conversions that bypassed FSDPModule._apply (a submodule's to())
+    _warn_unmanaged(states, module_names)
+
+
 def _take_over_late_ties(states: list[HookState], module_names: dict[nn.Module, str]) -> None:
     """Ties made after every ``fully_shard`` call (``model.head.weight = model.tok.weight``, one group's sharded
     parameter assigned to a module of another): the nearest group enclosing every module that uses the
@@ -720,9 +770,10 @@ def _warn_unmanaged(states: list[HookState], module_names: dict[nn.Module, str])
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     ignored = frozenset().union(*(state.ignored_params for state in states))
+    unsharded = {p.unsharded for state in states if state.group is not None for p in state.group.params}
     names = [f"{prefix}.{name}" if prefix else name
              for module, prefix in module_names.items() for name, p in module.named_parameters(recurse=False)
-             if p.requires_grad and not isinstance(p, DTensor) and p not in ignored]
+             if p.requires_grad and not isinstance(p, DTensor) and p not in ignored and p not in unsharded]
     if names:
         warnings.warn(
             f"parameters registered after fully_shard are neither sharded nor reduced across ranks, so each rank "

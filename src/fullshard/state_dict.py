@@ -62,15 +62,14 @@ def _entries(group: ParamGroup, module: nn.Module) -> list[tuple[str, ShardedPar
 def _sharded_values(entries: Callable[[], list[tuple[str, ShardedParam]]]):  # type: ignore[no-untyped-def]
     """The sharded parameters (also where a group is unsharded), their local tensors starting a storage of
     their own ([Note: Own-storage views]). ``keep_vars=True`` keeps a registered sharded parameter itself, and
-    a DTensor the user assigned after ``fully_shard`` (taken over at lazy init) stays what it is."""
+    a tensor the user assigned after ``fully_shard`` (taken over at the next forward) stays what it is."""
     def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
         for name, p in entries():
             key = prefix + name
-            if key not in state_dict:
+            registered = module._parameters.get(name)
+            if key not in state_dict or (registered is not p.sharded and registered is not p.unsharded):
                 continue
-            value = state_dict[key]
-            registered_sharded = module._parameters.get(name) is p.sharded
-            if (registered_sharded and value is not p.sharded) or not isinstance(value, DTensor):
+            if state_dict[key] is not p.sharded:
                 state_dict[key] = p.state_dict_value()
 
     return hook
