@@ -65,6 +65,28 @@ def test_ema_matches_unsharded(world_size: int, tmp_path: Path) -> None:
     run_ranks(world_size, _ema_parity, str(tmp_path))
 
 
+def _ema_follows_assigned(rank: int, world_size: int) -> None:
+    ref, model = build_pair()
+    ema = EMA(model, DECAY)
+    expected = {name: p.detach().clone() for name, p in ref.named_parameters()}
+    batches = random_batches(3, world_size, token_batch)
+    for step, step_batches in enumerate(batches):
+        if step == 1:  # a weight re-initialised between steps: the average goes on with the new parameter
+            for m in (ref, model):
+                with torch.no_grad():
+                    m.blocks[0].mlp[0].weight = torch.nn.Parameter(m.blocks[0].mlp[0].weight * 0.5)
+        train(ref, [step_batches], lm_loss, rank=None)
+        train(model, [step_batches], lm_loss, rank=rank)
+        for name, p in ref.named_parameters():  # by name, each step
+            expected[name].lerp_(p.detach(), 1 - DECAY)
+        ema.update()
+    torch.testing.assert_close(ema.full_state_dict(rank0_only=False), expected)
+
+
+def test_ema_follows_a_parameter_assigned_between_steps() -> None:
+    run_ranks(2, _ema_follows_assigned)
+
+
 def test_ema_rejects_bad_decay() -> None:
     for bad in (1.5, -0.1, "0.9", True):
         with pytest.raises(ValueError, match="EMA decay must be a number in \\[0, 1\\]"):

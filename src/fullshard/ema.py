@@ -42,10 +42,7 @@ class EMA:
             raise ValueError(f"EMA decay must be a number in [0, 1], got {decay!r}")
         self.model = model
         self.decay = float(decay)
-        for state in states_in(model):  # register the sharded parameters: those are the ones kept
-            if state.group is not None:
-                state.group.reshard()
-        self._params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+        self._params = {name: p for name, p in self._registered(remove_duplicate=True).items() if p.requires_grad}
         self._registrations_seen = registrations.count
         with torch.no_grad():
             self._average = {name: p.detach().clone() for name, p in self._params.items()}
@@ -53,11 +50,18 @@ class EMA:
     def _pairs(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         self._check_idle("EMA")
         if self._registrations_seen != registrations.count:  # a parameter may have been assigned since
-            now = dict(self.model.named_parameters(remove_duplicate=False))
+            now = self._registered(remove_duplicate=False)  # a name tied since still has its parameter
             self._params = {name: now.get(name, p) for name, p in self._params.items()}
             self._registrations_seen = registrations.count
         names = list(self._params)
         return [_local(self._average[n]) for n in names], [_local(self._params[n]).detach() for n in names]
+
+    def _registered(self, remove_duplicate: bool) -> dict[str, torch.Tensor]:
+        """The model's parameters by name: the sharded ones (every group resharded)."""
+        for state in states_in(self.model):
+            if state.group is not None:
+                state.group.reshard()
+        return dict(self.model.named_parameters(remove_duplicate=remove_duplicate))
 
     def _check_idle(self, what: str) -> None:
         busy = [s.label for s in states_in(self.model) if s.training_state is not TrainingState.IDLE]
