@@ -309,13 +309,19 @@ class TokHead(nn.Module):
         return self.head(torch.tanh(self.tok(x)))
 
 
-def _assigned_and_tied(rank: int, world_size: int, steps: str) -> None:
+def _tok_head_pair() -> tuple[TokHead, TokHead]:
+    """The reference and a copy with one group per layer and the root."""
     torch.manual_seed(0)
     model = TokHead()
     ref = copy.deepcopy(model)
     fully_shard(model.tok)
     fully_shard(model.head)
     fully_shard(model)
+    return ref, model
+
+
+def _assigned_and_tied(rank: int, world_size: int, steps: str) -> None:
+    ref, model = _tok_head_pair()
     dtype = torch.float32
     for step in steps.split("-"):  # the same on the sharded model and the reference, as plain PyTorch means it
         if step == "assign":
@@ -371,12 +377,7 @@ def test_parameter_assigned_with_wrong_shape_or_type() -> None:
 def _changed_between_steps(rank: int, world_size: int, change: str) -> None:
     """What plain PyTorch code does to a model between two steps, done to the sharded model after its first
     steps: the rest of training matches the unsharded model changed alike."""
-    torch.manual_seed(0)
-    model = TokHead()
-    ref = copy.deepcopy(model)
-    fully_shard(model.tok)
-    fully_shard(model.head)
-    fully_shard(model)
+    ref, model = _tok_head_pair()
     batches = random_batches(4, world_size, functools.partial(regression_batch, in_dim=4, out_dim=4))
     loss_fn = lambda m, b: (m(b[0]) - b[1]).square().mean()  # noqa: E731
     assert_parity(train(ref, batches[:2], loss_fn, rank=None), train(model, batches[:2], loss_fn, rank=rank), rank)
