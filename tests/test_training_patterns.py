@@ -413,3 +413,76 @@ def _registered_after_fully_shard(rank: int, world_size: int) -> None:
 
 def test_parameter_registered_after_fully_shard_warns() -> None:
     run_ranks(2, _registered_after_fully_shard)
+
+
+# ---- parameters used without calling their module ----------------------------------------------
+
+
+def _encoder() -> nn.Module:
+    return nn.Sequential(*(nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True) for _ in range(2)))
+
+
+def _shard_linears(model: nn.Module, attention_too: bool) -> None:
+    """Every nn.Linear a group of its own (as an auto-wrap policy picking nn.Linear does), out_proj included,
+    which nn.MultiheadAttention never calls; then the attention modules, the layers and the root."""
+    for module in list(model.modules()):
+        if isinstance(module, nn.Linear):
+            fully_shard(module)
+    if attention_too:
+        for module in list(model.modules()):
+            if isinstance(module, nn.MultiheadAttention):
+                fully_shard(module)
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+
+
+def _attention_batch(gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(2, 5, 8, generator=gen)
+
+
+def _attention_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return (model(x)[..., :3] * x[..., :3]).mean()
+
+
+def _attention_out_proj(rank: int, world_size: int, attention_too: bool) -> None:
+    _, model = run_parity(rank, world_size, _encoder, functools.partial(_shard_linears, attention_too=attention_too),
+                          _attention_batch, _attention_loss, steps=3)
+    assert_all_sharded(model)
+    x = _attention_batch(torch.Generator().manual_seed(5))
+    model.eval()
+    with torch.no_grad():
+        model(x)
+    assert_all_sharded(model)
+
+
+@pytest.mark.parametrize("attention_too", [False, True])
+def test_attention_out_proj_sharded_on_its_own(attention_too: bool) -> None:
+    """nn.MultiheadAttention reads out_proj's parameters without calling it; FSDP2 fails there ("got mixed
+    torch.Tensor and DTensor") unless the attention and out_proj share a group."""
+    run_ranks(2, _attention_out_proj, attention_too)
+
+
+class SameInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(7, 7)
+        self.same: list[bool] = []
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        self.same.append(a is b)
+        return self.lin(a) * b
+
+
+def _same_tensor_twice(rank: int, world_size: int) -> None:
+    model = SameInputs()
+    fully_shard(model)
+    x = torch.randn(3, 7, requires_grad=True)
+    model(x, x).sum().backward()
+    model(x, b=x).sum().backward()  # through pytree
+    assert model.same == [True, True]
+
+
+def test_same_input_tensor_twice_stays_one_tensor() -> None:
+    """A module given one tensor twice sees one tensor, as unwrapped (FSDP2 hands it two)."""
+    run_ranks(2, _same_tensor_twice)

@@ -32,7 +32,7 @@ from fullshard.policy import (
     validate_offload_policy,
 )
 from fullshard.reduce import ReduceSettings
-from fullshard.runtime import HookState, state_of, states_in
+from fullshard.runtime import HookState, hook_unused_submodules, state_of, states_in
 from fullshard.state_dict import register_state_dict_hooks
 
 log = logging.getLogger("fullshard")
@@ -197,6 +197,7 @@ def fully_shard(
     state = HookState(tuple(modules), group, device, reshard_after_forward, mp_policy, streams)
     state.ignored_params = frozenset(ignored)
     state.make_group = make_group  # a group formed later (a tie made after fully_shard), with this call's settings
+    hook_unused_submodules(modules)
     for mod in modules:
         _become_fsdp_module(mod)
     return module

@@ -336,6 +336,27 @@ def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
     return torch.compiler.disable(hook, recursive=True)
 
 
+# [Note: Parameters used without calling their module]
+# nn.MultiheadAttention passes out_proj.weight and out_proj.bias to its functional form and
+# never calls out_proj. Sharded on its own (an auto-wrap policy that picks every nn.Linear),
+# out_proj's hooks would never run and the attention would get the sharded DTensors (FSDP2
+# fails there with "got mixed torch.Tensor and DTensor"). fully_shard therefore makes every
+# call of such an attention module count as a call of out_proj: out_proj's state hooks the
+# attention module too (inside the attention's own state's hooks when it has one), so the
+# group is all-gathered for the attention's forward, all-gathered again for its backward
+# and reduced once the attention's input gradients are computed.
+
+
+def hook_unused_submodules(modules: Iterable[nn.Module]) -> None:
+    """[Note: Parameters used without calling their module] for every such module under ``modules``."""
+    for top in modules:
+        for module in top.modules():
+            if isinstance(module, nn.MultiheadAttention):
+                inner = state_of(module.out_proj)
+                if inner is not None and inner is not state_of(module):
+                    inner.add_caller(module)
+
+
 class HookState:
     """Hook state of one ``fully_shard`` call (one group, one or more modules)."""
 
@@ -378,6 +399,16 @@ class HookState:
             # Outside any torch.compile'd region ([Note: torch.compile]): the compiled graph is the module's own code.
             module.register_forward_pre_hook(_eager(self._pre_forward_hook), prepend=True, with_kwargs=True)
             module.register_forward_hook(_eager(self._post_forward_hook), prepend=False)
+        self._callers: set[nn.Module] = set()  # [Note: Parameters used without calling their module]
+
+    def add_caller(self, caller: nn.Module) -> None:
+        """Treat every call of ``caller`` as a call of this state's module ([Note: Parameters used without calling
+        their module]): its hooks run inside those of ``caller``'s own state, if it has one."""
+        if caller in self._callers:
+            return
+        self._callers.add(caller)
+        caller.register_forward_pre_hook(_eager(self._pre_forward_hook), prepend=False, with_kwargs=True)
+        caller.register_forward_hook(_eager(self._post_forward_hook), prepend=True)
 
     @property
     def label(self) -> str:
@@ -536,7 +567,7 @@ class HookState:
             positions = [i for i, x in enumerate(args) if x.requires_grad]
             if not positions:
                 return args, kwargs
-            wrapped = _PostBackward.apply(self, *(args[i] for i in positions))
+            wrapped = self._through_post_backward([args[i] for i in positions])
             if len(positions) == len(args):
                 return tuple(wrapped), kwargs
             new_args = list(args)
@@ -547,11 +578,19 @@ class HookState:
         positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
         if not positions:
             return args, kwargs
-        wrapped = _PostBackward.apply(self, *(flat[i] for i in positions))
-        for i, tensor in zip(positions, wrapped):
+        for i, tensor in zip(positions, self._through_post_backward([flat[i] for i in positions])):
             flat[i] = tensor
         new_args, new_kwargs = tree_unflatten(flat, spec)
         return new_args, new_kwargs
+
+    def _through_post_backward(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``tensors`` through one ``_PostBackward``; a tensor passed twice comes back as one alias, so the module
+        sees what it would unwrapped (``nn.MultiheadAttention`` checks ``query is key`` for self-attention)."""
+        unique = {id(t): t for t in tensors}
+        if len(unique) == len(tensors):
+            return list(_PostBackward.apply(self, *tensors))
+        aliases = dict(zip(unique, _PostBackward.apply(self, *unique.values())))
+        return [aliases[id(t)] for t in tensors]
 
     # [Note: Outputs that are views]
     # A hook on an output tensor sits on the autograd node that made it. When the output is a
