@@ -117,6 +117,7 @@ class Case:
     # same values (before to_empty on a meta start: the conversion reaches the assigned value)
     reassign_later: bool = False  # at step 1 the last block's weight re-assigned as half its value (a DTensor on the
     # sharded runs) and added to the optimizer as a group of its own; the replaced parameter keeps its state
+    reassign_mid_step: bool = False  # with reassign_later and accumulation: between the first two micro-batches
 
     def describe(self) -> str:
         plain = Case(self.seed)
@@ -260,7 +261,9 @@ def _draw_later(case: Case) -> Case:
     trains on with the parameter it sharded) nor before a checkpoint (the resumed optimizer has no such group)."""
     rng = random.Random(f"later-{case.seed}")
     later = rng.random() < 0.15 and not case.fsdp2_supported and case.resume_ws == 0
-    return dataclasses.replace(case, reassign_later=later and not (case.extension and len(case.widths) == 2))
+    later = later and not (case.extension and len(case.widths) == 2)
+    return dataclasses.replace(case, reassign_later=later, reassign_mid_step=later and case.accumulation > 1
+                               and rng.random() < 0.5)
 
 
 def _draw_more(case: Case) -> Case:
@@ -691,12 +694,8 @@ def _step(case: Case, model: Net, opt: torch.optim.Optimizer, sched: Any, ema: A
 
     model.step = step
     ws = len(data[step][0])
-    if case.reassign_later and step == 1:
-        lin = model.blocks[-1].lin
-        with torch.no_grad():
-            lin.weight = nn.Parameter(lin.weight * 0.5, requires_grad=lin.weight.requires_grad)
-        if lin.weight.requires_grad:  # Muon takes the matrices
-            (opt.optimizers[0] if isinstance(opt, Optimizers) else opt).add_param_group({"params": [lin.weight]})
+    if case.reassign_later and step == 1 and not case.reassign_mid_step:
+        _reassign_last_weight(model, opt, sharded=rank is not None)
     if case.eval_pass != "none" and (case.eval_pass == "all" or rank in (None, 0) or (case.hsdp and rank == 1)):
         with torch.no_grad():
             model.set_rank(0 if rank is None else case.data_rank(rank))
@@ -705,6 +704,10 @@ def _step(case: Case, model: Net, opt: torch.optim.Optimizer, sched: Any, ema: A
     unreduced: list[dict[str, torch.Tensor]] = []  # the reference's bf16 gradients held for a later reduction
     for micro, per_rank in enumerate(data[step]):
         last = micro == len(data[step]) - 1
+        if case.reassign_mid_step and step == 1 and micro == 1:
+            name = _reassign_last_weight(model, opt, sharded=rank is not None)
+            for held in unreduced:  # the replaced weight's gradients go with it
+                held.pop(name, None)
         if rank is None and case.mp != "none":
             step_losses.append(reference_bf16_backward(case, model, per_rank, unreduced, last))
             continue
@@ -746,6 +749,23 @@ def _step(case: Case, model: Net, opt: torch.optim.Optimizer, sched: Any, ema: A
         sched.step()
     if ema is not None:
         ema.update()
+
+
+def _reassign_last_weight(model: Net, opt: torch.optim.Optimizer, sharded: bool) -> str:
+    """``reassign_later``; the weight's name."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+    lin = model.blocks[-1].lin
+    with torch.no_grad():
+        value = lin.weight * 0.5
+        if sharded and not isinstance(value, DTensor):  # the group is unsharded (between micro-batches)
+            mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+            value = distribute_tensor(value, mesh, [Replicate()], src_data_rank=None)
+        lin.weight = nn.Parameter(value, requires_grad=lin.weight.requires_grad)
+    if lin.weight.requires_grad:  # Muon takes the matrices
+        (opt.optimizers[0] if isinstance(opt, Optimizers) else opt).add_param_group({"params": [lin.weight]})
+    return f"blocks.{len(model.blocks) - 1}.lin.weight"
 
 
 def reference_bf16_backward(case: Case, model: Net, per_rank: list[Any], unreduced: list[dict[str, torch.Tensor]],

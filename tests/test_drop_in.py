@@ -15,12 +15,24 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from fullshard import FSDPModule, fully_shard
-from fullshard.runtime import state_of
+import fullshard.optim
+from fullshard import EMA, FSDPModule, fully_shard
+from fullshard.fsdp1 import summon_full_params
+from fullshard.group import ShardedState
+from fullshard.runtime import state_of, states_in
 from tests.comm import CommRecorder
 from tests.harness import run_ranks
 from tests.models import MLP, Transformer, lm_loss, mse_loss
-from tests.parity import assert_parity, random_batches, regression_batch, run_parity, token_batch, train
+from tests.parity import (
+    assert_parity,
+    full_params,
+    random_batches,
+    regression_batch,
+    run_parity,
+    sgd_momentum,
+    token_batch,
+    train,
+)
 
 
 def _assert_untouched(module: nn.Module, before: dict[str, torch.Tensor]) -> None:
@@ -309,13 +321,14 @@ class TokHead(nn.Module):
         return self.head(torch.tanh(self.tok(x)))
 
 
-def _tok_head_pair() -> tuple[TokHead, TokHead]:
-    """The reference and a copy with one group per layer and the root."""
+def _tok_head_pair(per_layer: bool = True) -> tuple[TokHead, TokHead]:
+    """The reference and a copy with one group per layer and the root (or the root's group only)."""
     torch.manual_seed(0)
     model = TokHead()
     ref = copy.deepcopy(model)
-    fully_shard(model.tok)
-    fully_shard(model.head)
+    if per_layer:
+        fully_shard(model.tok)
+        fully_shard(model.head)
     fully_shard(model)
     return ref, model
 
@@ -374,36 +387,118 @@ def test_parameter_assigned_with_wrong_shape_or_type() -> None:
     run_ranks(2, _reassigned_with_plain_tensor)
 
 
-def _changed_between_steps(rank: int, world_size: int, change: str) -> None:
-    """What plain PyTorch code does to a model between two steps, done to the sharded model after its first
-    steps: the rest of training matches the unsharded model changed alike."""
-    ref, model = _tok_head_pair()
-    batches = random_batches(4, world_size, functools.partial(regression_batch, in_dim=4, out_dim=4))
-    loss_fn = lambda m, b: (m(b[0]) - b[1]).square().mean()  # noqa: E731
-    assert_parity(train(ref, batches[:2], loss_fn, rank=None), train(model, batches[:2], loss_fn, rank=rank), rank)
+def _change(model: TokHead, change: str, replicated: bool) -> list[nn.Parameter]:
+    """Change ``model`` as plain PyTorch code does between two steps; the new parameters, for the optimizer."""
     if change == "assign":  # a re-initialised weight, computed from the sharded one (a DTensor)
         with torch.no_grad():
-            model.tok.weight = nn.Parameter(model.tok.weight * 2 + 1)
-            ref.tok.weight = nn.Parameter(ref.tok.weight * 2 + 1)
-    elif change == "tie":
+            value = model.tok.weight * 2 + 1
+            if isinstance(model, FSDPModule) and not isinstance(value, DTensor):  # from the unsharded weight
+                value = distribute_tensor(value, model.head.weight.device_mesh, [Replicate()])
+            elif replicated and isinstance(value, DTensor):
+                value = value.redistribute(placements=[Replicate()])
+            model.tok.weight = nn.Parameter(value)
+        return [model.tok.weight]
+    if change == "tie":
+        model.head.weight = model.tok.weight
+        return []
+    if change == "untie":  # the head gets a copy of its own again
+        with torch.no_grad():
+            model.head.weight = nn.Parameter(model.tok.weight.detach().clone())
+        return [model.head.weight]
+    torch.manual_seed(1)  # a new head, sharded before it is put in place
+    model.head = nn.Linear(4, 4, bias=False)
+    if isinstance(model, FSDPModule):
+        fully_shard(model.head)
+    return list(model.head.parameters())
+
+
+def _changed_between_steps(rank: int, world_size: int, change: str, then: str) -> None:
+    """What plain PyTorch code does to a model between two steps, done to the sharded model after its first
+    steps: the rest of training matches the unsharded model changed alike. ``then``: what runs between the
+    change and the next forward, or (``forward_only``) before the change, leaving the root's group unsharded."""
+    ref, model = _tok_head_pair(per_layer=then != "flat_adamw")  # flat: one group loses or gains a parameter
+    if change == "untie":
         model.head.weight = model.tok.weight
         ref.head.weight = ref.tok.weight
-    elif change == "replace":  # a new head, sharded before it is put in place
-        torch.manual_seed(1)
-        ref.head = nn.Linear(4, 4)
-        torch.manual_seed(1)
-        model.head = fully_shard(nn.Linear(4, 4))
-    # The optimizers are built anew: the parameter objects changed, as they did on the reference.
-    trace = train(model, batches[2:], loss_fn, rank=rank)
-    assert_parity(train(ref, batches[2:], loss_fn, rank=None), trace, rank)
+    if then == "forward_only":
+        model.tok.set_reshard_after_forward(False)
+    if then == "flat_adamw":  # steps each group's flat shard, with flat state buffers cut for its parameters
+        opt, ref_opt = fullshard.optim.AdamW(model.parameters(), lr=0.01), torch.optim.AdamW(ref.parameters(), lr=0.01)
+    else:
+        opt, ref_opt = sgd_momentum(model.parameters()), sgd_momentum(ref.parameters())
+    old_head = model.head
+    ema, ref_ema = (EMA(model, 0.5), EMA(ref, 0.5)) if then == "ema" else (None, None)
+    batches = random_batches(4, world_size, functools.partial(regression_batch, in_dim=4, out_dim=4))
+    loss_fn = lambda m, b: (m(b[0]) - b[1]).square().mean()  # noqa: E731
+    assert_parity(train(ref, batches[:2], loss_fn, rank=None, optim=ref_opt),
+                  train(model, batches[:2], loss_fn, rank=rank, optim=opt), rank)
+    if then == "forward_only":  # a metric computed with grad enabled: tok.weight's group stays unsharded
+        loss_fn(model, batches[2][rank])
+        assert any(s.group.state is ShardedState.UNSHARDED for s in states_in(model) if s.group is not None)
+    for m, o in ((model, opt), (ref, ref_opt)):
+        new = _change(m, change, replicated=then != "none")
+        if new:
+            o.add_param_group({"params": new})
+    if then == "unshard":
+        for module in [model, model.tok, model.head]:
+            module.unshard()
+            module.reshard()
+    elif then == "summon":
+        with summon_full_params(model, offload_to_cpu=True):
+            assert all(p.shape == (4, 4) and not isinstance(p, DTensor) for p in model.parameters())
+            assert all(isinstance(v, DTensor) for v in model.state_dict().values())  # not the CPU copies
+    elif ema is not None and ref_ema is not None:
+        ema.update()
+        ref_ema.update()
+    trace = train(model, batches[2:], loss_fn, rank=rank, optim=opt)
+    assert_parity(train(ref, batches[2:], loss_fn, rank=None, optim=ref_opt), trace, rank)
     assert all(isinstance(p, DTensor) and p.placements == (Shard(0),) for p in model.parameters())
     assert len(list(model.parameters())) == len(list(ref.parameters()))
+    assert (model.head.weight is model.tok.weight) == (ref.head.weight is ref.tok.weight)
+    if old_head is not model.head and state_of(old_head).group is not None:  # left the tree, not all-gathered since
+        old_group = state_of(old_head).group
+        assert old_group.state is ShardedState.SHARDED and old_group.unsharded_buffer.untyped_storage().nbytes() == 0
+    if ema is not None and ref_ema is not None:
+        ema.update()
+        ref_ema.update()
+        torch.testing.assert_close(ema.full_state_dict(rank0_only=False), ref_ema.full_state_dict(rank0_only=False))
 
 
-@pytest.mark.parametrize("change", ["assign", "tie", "replace"])
-def test_model_changed_after_the_first_steps(change: str) -> None:
+@pytest.mark.parametrize("change,then", [
+    ("assign", "none"), ("tie", "none"), ("replace", "none"), ("untie", "none"),
+    ("assign", "forward_only"), ("tie", "forward_only"), ("replace", "forward_only"),
+    ("assign", "unshard"), ("tie", "summon"), ("assign", "ema"), ("tie", "flat_adamw"), ("untie", "flat_adamw"),
+])
+def test_model_changed_after_the_first_steps(change: str, then: str) -> None:
     """FSDP2 trains on with the parameters it sharded (an assignment or a tie is silently ignored)."""
-    run_ranks(2, _changed_between_steps, change)
+    run_ranks(2, _changed_between_steps, change, then)
+
+
+def _changed_between_micro_batches(rank: int, world_size: int, change: str, sync: bool) -> None:
+    """A change between two micro-batches of one step: the gradients the others accumulated stay (with
+    ``sync=False`` unreduced until the last micro-batch), as on the unsharded model."""
+    ref, model = _tok_head_pair()
+    opt, ref_opt = sgd_momentum(model.parameters()), sgd_momentum(ref.parameters())
+    loss_fn = lambda m, b: (m(b[0]) - b[1]).square().mean()  # noqa: E731
+    for i, step_batches in enumerate(random_batches(2, world_size, functools.partial(regression_batch, in_dim=4, out_dim=4))):
+        if i == 1:
+            for m, o in ((model, opt), (ref, ref_opt)):
+                new = _change(m, change, replicated=False)
+                if new:
+                    o.add_param_group({"params": new})
+        if not sync:
+            model.set_requires_gradient_sync(i == 1)
+        (loss_fn(model, step_batches[rank]) / 2).backward()
+        (sum(loss_fn(ref, b) for b in step_batches) / len(step_batches) / 2).backward()
+    opt.step()
+    ref_opt.step()
+    torch.testing.assert_close(full_params(model), full_params(ref))
+
+
+@pytest.mark.parametrize("sync", [True, False], ids=["sync", "no_sync"])
+@pytest.mark.parametrize("change", ["assign", "tie"])
+def test_model_changed_between_micro_batches(change: str, sync: bool) -> None:
+    run_ranks(2, _changed_between_micro_batches, change, sync)
 
 
 def _unmanaged_after_the_first_steps(rank: int, world_size: int, change: str) -> None:

@@ -32,7 +32,7 @@ from fullshard.policy import (
     validate_offload_policy,
 )
 from fullshard.reduce import ReduceSettings
-from fullshard.runtime import HookState, hook_unused_submodules, state_of, states_in
+from fullshard.runtime import HookState, hook_unused_submodules, state_of, states_in, take_over_changes
 from fullshard.state_dict import register_state_dict_hooks
 
 log = logging.getLogger("fullshard")
@@ -452,6 +452,7 @@ class FSDPModule:
         state = self._get_hook_state()
         if state.ctx is None:
             state.lazy_init()
+        take_over_changes([state])
         if state.group is not None:
             state.group.unshard(async_op=True)
         handle = UnshardHandle(state)
@@ -463,6 +464,7 @@ class FSDPModule:
     def reshard(self) -> None:
         """Free the unsharded parameters and register the sharded ones."""
         state = self._get_hook_state()
+        take_over_changes([state])
         if state.group is not None:
             state.group.reshard()
 

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from fullshard.errors import expect_module
 from fullshard.group import group_of
 from fullshard.param import full_tensor
-from fullshard.runtime import TrainingState, registrations, states_in
+from fullshard.runtime import TrainingState, registrations, states_in, take_over_changes
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -58,6 +58,7 @@ class EMA:
 
     def _registered(self, remove_duplicate: bool) -> dict[str, torch.Tensor]:
         """The model's parameters by name: the sharded ones (every group resharded)."""
+        take_over_changes(states_in(self.model))  # an assigned value becomes its group's sharded parameter
         for state in states_in(self.model):
             if state.group is not None:
                 state.group.reshard()

@@ -18,7 +18,7 @@ from fullshard.collectives import reduce_scatter_single
 from fullshard.errors import expect_module
 from fullshard.optim import flat_runs
 from fullshard.param import sharded_axes
-from fullshard.runtime import TrainingState, states_in
+from fullshard.runtime import TrainingState, states_in, take_over_changes
 
 # ---- summon_full_params --------------------------------------------------------------------------
 
@@ -55,6 +55,11 @@ def summon_full_params(
     groups = [s.group for s in states if s.group is not None]
     if any(g.summoned for g in groups):
         raise ValueError("summon_full_params cannot be nested")
+    for state in states:  # outermost first: a root takes over what was assigned since fully_shard
+        if state.ctx is None:
+            state.lazy_init()
+    take_over_changes(states)
+    groups = [s.group for s in states if s.group is not None]  # a tie taken over may have moved parameters
     keep_full = not rank0_only or dist.get_rank() == 0
     try:
         for group in groups:

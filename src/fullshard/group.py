@@ -268,6 +268,16 @@ class ParamGroup:
         else:
             self.stale = True
 
+    def assigned_values(self) -> list[tuple[Any, torch.Tensor]]:
+        """``(site, value)`` where a module holds neither this group's sharded nor its unsharded parameter."""
+        found: list[tuple[Any, torch.Tensor]] = []
+        for p in self.params:
+            for site in p.sites:
+                value = site.module._parameters.get(site.name)
+                if value is not None and value is not p.sharded and value is not p.unsharded:
+                    found.append((site, value))
+        return found
+
     @torch.no_grad()
     def adopt_reassigned(self) -> bool:
         """Take over parameters assigned to a module after ``fully_shard``; whether there were any.
@@ -287,40 +297,71 @@ class ParamGroup:
         """
         if self.state is not ShardedState.SHARDED:
             return False
+        untied = self._untie()
         swapped = []
         for p in self.params:
             for site in p.sites:
                 value = site.module._parameters.get(site.name)
                 if value is None or value is p.sharded or value is p.unsharded or group_of(value) is not None:
                     continue
-                if tuple(value.shape) != p.shape:
-                    raise ValueError(
-                        f"parameter {p.fqn!r} was re-assigned after fully_shard with shape {tuple(value.shape)}; "
-                        f"it was sharded with shape {p.shape}"
-                    )
-                if not isinstance(value, DTensor):
-                    # It cannot become a DTensor in place, and an optimizer built since may hold it.
-                    raise ValueError(
-                        f"parameter {p.fqn!r} was re-assigned after fully_shard with a plain tensor; assign a DTensor "
-                        "(e.g. computed from the sharded parameters, or distribute_tensor(value, mesh, [Shard(0)])), "
-                        "load the value with load_state_dict (full tensors are accepted), or assign it before fully_shard"
-                    )
-                if value.placements == p.sharded.placements and value.device_mesh == p.sharded.device_mesh:
-                    local = value.to_local()
-                else:
-                    local = p.local_part(full_tensor(value))
-                local = local.to(device=local.device if self.on_meta else self.flat_shard.device, dtype=p.orig_dtype)
-                # The assigned object stays the sharded parameter (an optimizer built since holds it).
-                replacement = nn.Parameter(p.as_dtensor_of(local.detach()), requires_grad=value.requires_grad)
-                torch.utils.swap_tensors(value, replacement)
+                self._take_value(p, value)
                 p.sharded = cast(DTensor, value)
                 p.state_dict_view = None
+                self.reducer.forget(p)  # what was accumulated for the parameter it replaced
                 swapped.append(p)
         for p in swapped:
             p.register(p.sharded)  # every site of the parameter, not only the one assigned
         if swapped:
             self._register_owner()  # group_of() knows the assigned objects, no longer the ones they replaced
-        return bool(swapped)
+        return bool(swapped) or untied
+
+    def _take_value(self, p: ShardedParam, value: torch.Tensor) -> None:
+        """Swap ``value`` (assigned in place of ``p``) in place onto ``p``'s local rows of it, in ``p``'s dtype."""
+        if tuple(value.shape) != p.shape:
+            raise ValueError(
+                f"parameter {p.fqn!r} was re-assigned after fully_shard with shape {tuple(value.shape)}; "
+                f"it was sharded with shape {p.shape}"
+            )
+        if not isinstance(value, DTensor):
+            # It cannot become a DTensor in place, and an optimizer built since may hold it.
+            raise ValueError(
+                f"parameter {p.fqn!r} was re-assigned after fully_shard with a plain tensor; assign a DTensor "
+                "(e.g. computed from the sharded parameters, or distribute_tensor(value, mesh, [Shard(0)])), "
+                "load the value with load_state_dict (full tensors are accepted), or assign it before fully_shard"
+            )
+        if value.placements == p.sharded.placements and value.device_mesh == p.sharded.device_mesh:
+            local = value.to_local()
+        else:
+            local = p.local_part(full_tensor(value))
+        local = local.to(device=local.device if self.on_meta else self.flat_shard.device, dtype=p.orig_dtype)
+        # The assigned object stays the sharded parameter (an optimizer built since holds it).
+        replacement = nn.Parameter(p.as_dtensor_of(local.detach()), requires_grad=value.requires_grad)
+        torch.utils.swap_tensors(value, replacement)
+
+    def _untie(self) -> bool:
+        """A value assigned at some of the modules sharing a tied parameter, while the others still hold it,
+        undoes the tie there (``head.weight = nn.Parameter(tok.weight.detach().clone())``): those modules get
+        a parameter of their own in this group, holding the value."""
+        splits: dict[int, tuple[ShardedParam, list[Any]]] = {}
+        for p in self.params:
+            kept = [site for site in p.sites
+                    if any(site.module._parameters.get(site.name) is own for own in (p.sharded, p.unsharded))]
+            if not kept or len(kept) == len(p.sites):
+                continue
+            for site in p.sites:
+                value = site.module._parameters.get(site.name)
+                if site not in kept and value is not None and group_of(value) is None:
+                    splits.setdefault(id(value), (p, []))[1].append(site)
+        for p, sites in splits.values():
+            value = sites[0].module._parameters[sites[0].name]
+            # Built from a detached alias: the constructor keeps a weak reference, which would forbid swapping value.
+            own = ShardedParam(p.fqn, sites, value.detach(), p.layout, p.mesh_info, p.tp)
+            self.check_can_add(own)
+            self._take_value(p, value)  # sharded as p is, which is how its own parameter shards
+            own.sharded = cast(DTensor, value)
+            p.sites = [site for site in p.sites if site not in sites]
+            self.add(own)
+        return bool(splits)
 
     @torch.no_grad()
     def take_over(self, p: ShardedParam, value: torch.Tensor) -> None:
@@ -379,55 +420,64 @@ class ParamGroup:
                 p.local_rows(chunk).copy_(loc)
             replacement = torch.nn.Parameter(p.as_dtensor_of(p.wrap_local(p.local_rows(chunk))),
                                              requires_grad=p.sharded.requires_grad)
-            torch.utils.swap_tensors(p.sharded, replacement)
+            grad = p.sharded.grad
+            torch.utils.swap_tensors(p.sharded, replacement)  # swaps the gradient out too
+            if grad is not None and grad.dtype == p.sharded.dtype and grad.device == p.sharded.device:
+                p.sharded.grad = grad  # a gradient accumulated before the link stays, as on a plain module
             p.state_dict_view = None  # it holds the old flat buffer alive
         self.flat_shard = flat
         self.shard_device = device if device.type != "meta" else self.shard_device
         policy_compute, policy_reduce = self._policy_dtypes
         self.compute_dtype = policy_compute or dtype
         self.reduce_dtype = policy_reduce or self.compute_dtype
+        unreduced = [p.unsharded.grad for p in self.params]  # accumulated without gradient sync
         self._bind_unsharded_buffer()
+        for p, grad in zip(self.params, unreduced):
+            if grad is not None and grad.dtype == p.unsharded.dtype and grad.device == p.unsharded.device:
+                p.unsharded.grad = grad
         for p in self.params:
             p.register(p.sharded)
 
     def remove(self, leaving: list[ShardedParam]) -> None:
         """Stop managing ``leaving`` (taken over by an enclosing group); the rest move to a new flat shard buffer.
 
-        Only at ``fully_shard`` time, while SHARDED. Parameter objects of the rest keep their identity.
+        Only while SHARDED. Parameter objects of the rest keep their identity, and their gradients.
         """
         if self.state is not ShardedState.SHARDED:
             raise AssertionError(f"group {self.label!r}: removing parameters in state {self.state.name}")
         self.params = [p for p in self.params if p not in leaving]
         self._register_owner()
         self.layout = GroupLayout(tuple(p.layout for p in self.params))
-        settings = self.reducer.settings
-        self.reducer = GradReducer(self)  # its cached gradient layouts were cut for the old parameter list
-        self.reducer.settings = settings
+        self.reducer = self.reducer.renewed()
         if self.params:
             self.relink()
         if self.post_forward is not None:
             self.set_post_forward_group(self.post_forward.group)
 
-    def add(self, joining: ShardedParam) -> None:
-        """Manage ``joining`` too (a tie made after ``fully_shard``, taken over by this enclosing group).
-
-        Only before the first forward, while SHARDED. The parameter object keeps its identity; its values
-        move into this group's new flat shard buffer.
-        """
+    def check_can_add(self, joining: ShardedParam) -> None:
+        """Raise, before anything changed, if ``add(joining)`` cannot take it."""
         if self.state is not ShardedState.SHARDED:
             raise AssertionError(f"group {self.label!r}: adding parameters in state {self.state.name}")
         if self.codecs is not None or self.post_forward is not None:
             raise NotImplementedError(
-                f"parameter {joining.fqn!r} was tied after fully_shard to a module of the group of {self.label!r}, "
+                f"parameter {joining.fqn!r} was tied or untied after fully_shard in the group of {self.label!r}, "
                 "which all-gathers through extensions, a comm_policy or several dtypes, or reshards after forward to "
-                "an int: make the tie before calling fully_shard"
+                "an int: make the change before calling fully_shard"
             )
+
+    def add(self, joining: ShardedParam) -> None:
+        """Manage ``joining`` too (a tie made after ``fully_shard``, taken over by this enclosing group, or
+        an untie).
+
+        Only while SHARDED, when a root checks its tree ([Note: Changes after the first forward] in
+        runtime.py). The parameter object keeps its identity; its values move into this group's new flat
+        shard buffer.
+        """
+        self.check_can_add(joining)
         self.params = [*self.params, joining]
         self._register_owner()
         self.layout = GroupLayout(tuple(p.layout for p in self.params))
-        settings = self.reducer.settings
-        self.reducer = GradReducer(self)
-        self.reducer.settings = settings
+        self.reducer = self.reducer.renewed()
         self.relink()
         if self.on_new_sites is not None:
             self.on_new_sites([site.module for site in joining.sites])

@@ -139,11 +139,13 @@ class _LocalAdamStep:
         """The group's flat state buffers; each parameter's state entries are DTensor views of them.
 
         Made on the first step, and again when a state entry is no longer the view made here
-        (``load_state_dict`` put new tensors there): their values are copied in first.
+        (``load_state_dict`` put new tensors there) or the group's parameters changed (a tie taken over
+        between steps): their values are copied in first.
         """
         cache: dict[int, Any] = self.__dict__.setdefault("_flat_buffers", {})
         entry = cache.get(id(owner))
-        if entry is not None and entry[0]() is owner and entry[1].keys() == set(keys) and all(
+        if entry is not None and entry[0]() is owner and entry[1].keys() == set(keys) and len(entry[2]) == len(owner.params) \
+                and entry[1][keys[0]].numel() == flat_param.numel() and all(
             self.state[sp.sharded].get(key) is view for sp, views in zip(owner.params, entry[2]) for key, view in views.items()
         ):
             return dict(entry[1])

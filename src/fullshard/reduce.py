@@ -228,6 +228,22 @@ class GradReducer:
         shard_group = group.mesh_info.shard_group
         self._nccl = shard_group is not None and dist.get_backend(shard_group) == "nccl"
 
+    def renewed(self) -> GradReducer:
+        """A reducer for the group's changed parameter list (its layouts are cut anew), with the same settings
+        and the partial sums of the parameters still in it."""
+        new = GradReducer(self.group)
+        new.settings = self.settings
+        params = set(self.group.params)
+        new._partial_sums = {p: t for p, t in self._partial_sums.items() if p in params}
+        new._partial_flags = {p: t for p, t in self._partial_flags.items() if p in params}
+        return new
+
+    def forget(self, p: ShardedParam) -> None:
+        """``p``'s parameter object was replaced: drop what was accumulated for the old one and not delivered."""
+        p.unsharded.grad = p.accumulated_grad = None
+        self._partial_sums.pop(p, None)
+        self._partial_flags.pop(p, None)
+
     @property
     def has_partial_sums_due(self) -> bool:
         """HSDP partial sums kept earlier that the next backward must all-reduce."""
@@ -321,7 +337,9 @@ class GradReducer:
             self._layouts[packed] = layout
         params = [p for p, keep in zip(group.params, packed) if keep]
         kept = [g for g, keep in zip(taken, packed) if keep]
-        if group.mixed:  # one reduce dtype for all ([Note: Mixed dtypes] in group.py)
+        if group.mixed or len({g.dtype for g in kept if g is not None}) > 1:
+            # One reduce dtype for all ([Note: Mixed dtypes] in group.py), also where some gradients were
+            # accumulated in it without sync and others are a first one in the compute dtype.
             kept = [None if g is None else g.to(group.reduce_dtype) for g in kept]
         # Without flags (a comm hook) only owed parameters are packed without a gradient: they are delivered.
         missing = frozenset(i for i, g in enumerate(kept) if g is None) if flagged else frozenset()

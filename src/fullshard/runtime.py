@@ -128,8 +128,17 @@ def in_backward() -> bool:
 # registration in the process (``module.w = nn.Parameter(...)``, ``register_parameter``,
 # ``module.head = nn.Linear(...)``) bumps ``registrations.count`` through torch's global
 # registration hooks; a root's forward that sees a new count checks its module tree again:
-# new states join, states whose modules left the tree leave, assignments are taken over as
-# at lazy init. A training loop that registers nothing pays one comparison per step.
+# new states join, states whose modules left the tree leave (resharded, dropped from the
+# prefetch plan), assignments are taken over as at lazy init. A training loop that
+# registers nothing pays one comparison per step.
+# Whatever registers parameters outside a forward (unshard, reshard, summon_full_params,
+# EMA, load_state_dict) would register over an assignment, so it takes over first
+# (``take_over_changes``). Taking over needs sharded groups: a group still unsharded (a
+# forward without backward) is resharded, the assigned values put back. Reductions still
+# in flight (``set_is_last_backward(False)``) are completed first. Gradients that the
+# other parameters accumulated (sharded, unreduced under no-sync, or HSDP partial sums)
+# stay through the relink; the assigned parameter starts without one, as a new parameter
+# does in PyTorch.
 
 
 class _Registrations:
@@ -213,6 +222,20 @@ class IterationContext:
             if state not in self._seen_pre or (state.reshard_after_forward and not state.is_root):
                 # A prefetch for a module that did not run, or a list group some of whose modules did not.
                 group.reshard()
+
+    def forget(self, left: list[HookState]) -> None:
+        """``left``'s modules are no longer in the root's tree: free their groups (a prefetch may have
+        all-gathered one), let them become roots of their own, and plan prefetches without them."""
+        if not left:
+            return
+        for state in left:
+            if state.group is not None:
+                state.group.reshard()
+            state.ctx = None
+            state.is_root = False
+        self.forward_next = {s: [t for t in ts if t not in left] for s, ts in self.forward_next.items() if s not in left}
+        self.backward_next = {s: [t for t in ts if t not in left] for s, ts in self.backward_next.items() if s not in left}
+        self._planned_from = ([], [])
 
     def set_prefetch_depth(self, forward: int | None = None, backward: int | None = None) -> None:
         if forward is not None:
@@ -436,9 +459,16 @@ class HookState:
         the first forward])."""
         states, module_names = self._states_in_tree()
         _check_no_shared_originals(states)
+        if ctx is not None and ctx.pending_reduces and any(
+            s.group.assigned_values() for s in states if s.group is not None and not s.group.summoned
+        ):
+            ctx.drain_reduces()  # reductions in flight deliver to the parameters they were issued for
         _take_over_assignments(states, module_names)
+        _name_params(states, module_names)  # parameters split off or moved by the take-over
         if ctx is None:
             ctx = IterationContext(states, self.streams)
+        else:
+            ctx.forget(left=[state for state in ctx.states if state not in states])
         ctx.states = states
         for state in states:
             state.ctx = ctx
@@ -464,9 +494,7 @@ class HookState:
             states.append(state)
             if state.group is not None:
                 state.group.label = name
-                for p in state.group.params:
-                    prefix = module_names.get(p.sites[0].module, "")
-                    p.fqn = f"{prefix}.{p.sites[0].name}" if prefix else p.sites[0].name
+        _name_params(states, module_names)
         return states, module_names
 
     # ---- forward -------------------------------------------------------------
@@ -554,8 +582,8 @@ class HookState:
 
     def _prefetch(self, targets: Iterable[HookState], backward: bool) -> None:
         for target in targets:
-            if backward and not target.unshard_in_backward:
-                continue
+            if (backward and not target.unshard_in_backward) or target.ctx is not self.ctx:
+                continue  # (a module set as a target that has left the model since: nothing would free it)
             if target.group is not None and target.group.state in (ShardedState.SHARDED, ShardedState.SHARDED_POST_FORWARD):
                 with profiled("prefetch", target.label):
                     target.group.unshard(async_op=True)
@@ -696,10 +724,33 @@ def tensors_in(tree: Any) -> list[torch.Tensor]:
     return found
 
 
+def _name_params(states: list[HookState], module_names: dict[nn.Module, str]) -> None:
+    """Name each group's parameters from the root, by the first module that uses them."""
+    for state in states:
+        for p in state.group.params if state.group is not None else ():
+            prefix = module_names.get(p.sites[0].module, "")
+            p.fqn = f"{prefix}.{p.sites[0].name}" if prefix else p.sites[0].name
+
+
+def take_over_changes(states: list[HookState]) -> None:
+    """Take over what was assigned to the modules of ``states`` since their roots last looked, before
+    something outside a forward registers parameters over it (an explicit unshard, summon_full_params, EMA,
+    load_state_dict); see [Note: Changes after the first forward]. Not inside forward or backward (an explicit
+    prefetch): the root's next forward does it."""
+    for state in states:
+        ctx = state.ctx
+        if ctx is None or ctx.registrations_seen == registrations.count or in_backward():
+            continue
+        root = next(s for s in ctx.states if s.is_root)
+        if root.training_state is TrainingState.IDLE and not ctx.end_of_backward_queued:
+            root._check_tree(ctx)
+
+
 def _take_over_assignments(states: list[HookState], module_names: dict[nn.Module, str]) -> None:
     """Manage what was assigned to the modules since ``fully_shard`` (or the root's last check): re-assigned
     parameters, ties, and warn about parameters no group manages."""
     groups = [state.group for state in states if state.group is not None]
+    _reshard_keeping_assignments(groups)
     # A value adopted by one group may free the object it replaced for another (``b.w = a.w; a.w = new``):
     # adopt until no group takes anything more, then tie what is registered in more than one group.
     while any([group.adopt_reassigned() for group in groups]):
@@ -709,6 +760,22 @@ def _take_over_assignments(states: list[HookState], module_names: dict[nn.Module
         if state.group is not None:
             state.group.relink()  # also after conversions that bypassed FSDPModule._apply (a submodule's to())
     _warn_unmanaged(states, module_names)
+
+
+def _reshard_keeping_assignments(groups: list[ParamGroup]) -> None:
+    """Taking over works on sharded groups, and resharding registers the sharded parameters at every module
+    that uses them: where something was assigned since, reshard every group and put the assigned values back.
+    A tie made while a group was unsharded (``head.weight = tok.weight`` after a forward without backward)
+    names the unsharded parameter: it becomes the sharded one."""
+    assigned = [found for group in groups if not group.summoned for found in group.assigned_values()]
+    if not assigned or all(group.state is ShardedState.SHARDED for group in groups):
+        return
+    sharded_of = {id(p.unsharded): p.sharded for group in groups for p in group.params}
+    for group in groups:
+        if not group.summoned:
+            group.reshard()
+    for site, value in assigned:
+        site.module._parameters[site.name] = sharded_of.get(id(value), value)
 
 
 def _take_over_late_ties(states: list[HookState], module_names: dict[nn.Module, str]) -> None:
@@ -744,6 +811,8 @@ def _take_over_late_ties(states: list[HookState], module_names: dict[nn.Module, 
                         "it, so two copies would train: make the tie before fully_shard, or call fully_shard on a "
                         "common ancestor of the modules"
                     )
+                if enclosing is not owner:
+                    enclosing.check_can_add(tied)
                 tied.sites.append(site)
                 tied.register(tied.sharded)
                 if enclosing is owner:
@@ -769,6 +838,7 @@ def _leave(replaced: Any, site: Any, group: ParamGroup) -> None:
 def _new_group(make_group: Callable[[list[Any], list[torch.Tensor]], ParamGroup], tied: Any, site: Any) -> ParamGroup:
     """A group for a state that had none, formed around ``tied`` (which keeps its parameter object)."""
     before = tied.sharded
+    grad, unreduced = before.grad, tied.unsharded.grad  # accumulated so far (a tie between micro-batches)
     tied.sites.append(site)
     group = make_group([tied], [before])
     if group.mesh_info.mesh != tied.mesh_info.mesh:
@@ -778,6 +848,9 @@ def _new_group(make_group: Callable[[list[Any], list[torch.Tensor]], ParamGroup]
         )
     torch.utils.swap_tensors(before, tied.sharded)  # the object optimizers hold now views the new flat shard
     tied.sharded = before
+    before.grad = grad
+    if unreduced is not None and unreduced.dtype == tied.unsharded.dtype:
+        tied.unsharded.grad = unreduced
     group.remove([])  # registers the owner and relinks with the swapped object
     tied.register(before)
     return group

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from fullshard.errors import expect_bool, expect_module, expect_optimizer
 from fullshard.group import ParamGroup, group_of
 from fullshard.param import ShardedParam, full_tensor
-from fullshard.runtime import states_in
+from fullshard.runtime import states_in, take_over_changes
 
 
 def register_state_dict_hooks(group: ParamGroup, members: tuple[nn.Module, ...]) -> None:
@@ -47,8 +47,8 @@ def register_state_dict_hooks(group: ParamGroup, members: tuple[nn.Module, ...])
                 continue
             hooked.add(module)
             entries = functools.partial(_entries, group, module)
-            module.register_state_dict_post_hook(_sharded_values(entries))
-            module.register_load_state_dict_pre_hook(_to_local_shards(group, entries))
+            module.register_state_dict_post_hook(_sharded_values(group, entries))
+            module.register_load_state_dict_pre_hook(_to_local_shards(group, members[0], entries))
             module.register_load_state_dict_post_hook(_take_assigned(group, entries, members if module in members else None))
 
     group.on_new_sites = hook_modules
@@ -59,7 +59,7 @@ def _entries(group: ParamGroup, module: nn.Module) -> list[tuple[str, ShardedPar
     return [(site.name, p) for p in group.params for site in p.sites if site.module is module]
 
 
-def _sharded_values(entries: Callable[[], list[tuple[str, ShardedParam]]]):  # type: ignore[no-untyped-def]
+def _sharded_values(group: ParamGroup, entries: Callable[[], list[tuple[str, ShardedParam]]]):  # type: ignore[no-untyped-def]
     """The sharded parameters (also where a group is unsharded), their local tensors starting a storage of
     their own ([Note: Own-storage views]). ``keep_vars=True`` keeps a registered sharded parameter itself, and
     a tensor the user assigned after ``fully_shard`` (taken over at the next forward) stays what it is."""
@@ -67,7 +67,8 @@ def _sharded_values(entries: Callable[[], list[tuple[str, ShardedParam]]]):  # t
         for name, p in entries():
             key = prefix + name
             registered = module._parameters.get(name)
-            if key not in state_dict or (registered is not p.sharded and registered is not p.unsharded):
+            if key not in state_dict or (registered is not p.sharded and registered is not p.unsharded
+                                         and not group.summoned):  # summon_full_params' CPU copies are not the user's
                 continue
             if state_dict[key] is not p.sharded:
                 state_dict[key] = p.state_dict_value()
@@ -75,8 +76,9 @@ def _sharded_values(entries: Callable[[], list[tuple[str, ShardedParam]]]):  # t
     return hook
 
 
-def _to_local_shards(group: ParamGroup, entries: Callable[[], list[tuple[str, ShardedParam]]]):  # type: ignore[no-untyped-def]
+def _to_local_shards(group: ParamGroup, member: nn.Module, entries: Callable[[], list[tuple[str, ShardedParam]]]):  # type: ignore[no-untyped-def]
     def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        take_over_changes(states_in(member, recurse=False))  # before the reshard registers over an assignment
         group.reshard()
         group.streams.shards_written()  # the load writes into the flat shard buffer on the compute stream
         if group.adopt_reassigned():  # the values load into the assigned objects (an optimizer may hold them)
