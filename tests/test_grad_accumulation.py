@@ -16,6 +16,7 @@ from tests.comm import CommRecorder
 from tests.harness import run_ranks
 from tests.models import Transformer, lm_loss
 from tests.parity import run_parity, token_batch
+from tests.test_runtime_cases import SideBlock
 
 
 def two_micro_batches(mode: str, world_size: int, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -147,31 +148,20 @@ def test_gradient_sync_set_before_lazy_init_holds_for_a_group_formed_there() -> 
     run_ranks(2, _sync_set_before_lazy_init)
 
 
-class _LateLayer(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.first = nn.Linear(6, 6)
-        self.late = nn.Linear(6, 6)
-
-    def forward(self, x: torch.Tensor, use_late: bool) -> torch.Tensor:
-        h = self.first(x)
-        return self.late(h) if use_late else h
-
-
 def _first_gradient_in_a_later_micro_batch(rank: int, world_size: int) -> None:
     """bf16 compute, fp32 reduction: a no-sync backward accumulates in fp32, so a parameter whose first
     gradient comes in the synced micro-batch (a layer skipped before) is reduced beside fp32 sums."""
     gen = torch.Generator().manual_seed(1)
-    micro = [torch.randn(3, 6, generator=gen) + rank for _ in range(2)]
+    micro = [torch.randn(3, 7, generator=gen) + rank for _ in range(2)]
     grads = []
     for sync_first in (False, True):
         torch.manual_seed(0)
-        model = _LateLayer()
+        model = SideBlock()
         fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
         model.set_requires_gradient_sync(sync_first)
-        model(micro[0], use_late=False).float().square().mean().backward()
+        model(micro[0], use_side=False).float().square().mean().backward()
         model.set_requires_gradient_sync(True)
-        model(micro[1], use_late=True).float().square().mean().backward()
+        model(micro[1], use_side=True).float().square().mean().backward()
         grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-6)
 
