@@ -13,6 +13,7 @@ import functools
 import pytest
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import fullshard.optim
@@ -321,15 +322,15 @@ class TokHead(nn.Module):
         return self.head(torch.tanh(self.tok(x)))
 
 
-def _tok_head_pair(per_layer: bool = True) -> tuple[TokHead, TokHead]:
+def _tok_head_pair(per_layer: bool = True, mesh: DeviceMesh | None = None) -> tuple[TokHead, TokHead]:
     """The reference and a copy with one group per layer and the root (or the root's group only)."""
     torch.manual_seed(0)
     model = TokHead()
     ref = copy.deepcopy(model)
     if per_layer:
-        fully_shard(model.tok)
-        fully_shard(model.head)
-    fully_shard(model)
+        fully_shard(model.tok, mesh=mesh)
+        fully_shard(model.head, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return ref, model
 
 
@@ -405,6 +406,9 @@ def _change(model: TokHead, change: str, replicated: bool) -> list[nn.Parameter]
         with torch.no_grad():
             model.head.weight = nn.Parameter(model.tok.weight.detach().clone())
         return [model.head.weight]
+    if change == "swap":  # the two layers exchange their weights
+        model.tok.weight, model.head.weight = model.head.weight, model.tok.weight
+        return []
     torch.manual_seed(1)  # a new head, sharded before it is put in place
     model.head = nn.Linear(4, 4, bias=False)
     if isinstance(model, FSDPModule):
@@ -415,12 +419,15 @@ def _change(model: TokHead, change: str, replicated: bool) -> list[nn.Parameter]
 def _changed_between_steps(rank: int, world_size: int, change: str, then: str) -> None:
     """What plain PyTorch code does to a model between two steps, done to the sharded model after its first
     steps: the rest of training matches the unsharded model changed alike. ``then``: what runs between the
-    change and the next forward, or (``forward_only``) before the change, leaving the root's group unsharded."""
+    change and the next forward; with ``forward_only``, ``float``, ``async_unshard`` and ``state_dict`` a
+    forward without backward before the change leaves tok.weight's group unsharded; ``mid_step``: the change
+    comes between a step's forward and its backward."""
     ref, model = _tok_head_pair(per_layer=then != "flat_adamw")  # flat: one group loses or gains a parameter
     if change == "untie":
         model.head.weight = model.tok.weight
         ref.head.weight = ref.tok.weight
-    if then == "forward_only":
+    unsharded_first = then in ("forward_only", "float", "async_unshard", "state_dict")
+    if unsharded_first:
         model.tok.set_reshard_after_forward(False)
     if then == "flat_adamw":  # steps each group's flat shard, with flat state buffers cut for its parameters
         opt, ref_opt = fullshard.optim.AdamW(model.parameters(), lr=0.01), torch.optim.AdamW(ref.parameters(), lr=0.01)
@@ -432,14 +439,29 @@ def _changed_between_steps(rank: int, world_size: int, change: str, then: str) -
     loss_fn = lambda m, b: (m(b[0]) - b[1]).square().mean()  # noqa: E731
     assert_parity(train(ref, batches[:2], loss_fn, rank=None, optim=ref_opt),
                   train(model, batches[:2], loss_fn, rank=rank, optim=opt), rank)
-    if then == "forward_only":  # a metric computed with grad enabled: tok.weight's group stays unsharded
+    if unsharded_first:  # a metric computed with grad enabled: tok.weight's group stays unsharded
         loss_fn(model, batches[2][rank])
         assert any(s.group.state is ShardedState.UNSHARDED for s in states_in(model) if s.group is not None)
+    handle = model.tok.unshard(async_op=True) if then == "async_unshard" else None
+    if then == "mid_step":  # the backward reaches the parameters the forward used, as on the reference
+        loss, ref_loss = loss_fn(model, batches[2][rank]), sum(loss_fn(ref, b) for b in batches[2]) / world_size
     for m, o in ((model, opt), (ref, ref_opt)):
         new = _change(m, change, replicated=then != "none")
         if new:
             o.add_param_group({"params": new})
-    if then == "unshard":
+    if then == "mid_step":
+        for o, finish in ((opt, loss), (ref_opt, ref_loss)):
+            finish.backward()
+            o.step()
+            o.zero_grad()
+        batches = batches[:2] + batches[3:]
+    elif handle is not None:
+        handle.wait()
+    elif then == "float":
+        model.float()
+    elif then == "state_dict":
+        model.load_state_dict(model.state_dict())
+    elif then == "unshard":
         for module in [model, model.tok, model.head]:
             module.unshard()
             module.reshard()
@@ -468,16 +490,20 @@ def _changed_between_steps(rank: int, world_size: int, change: str, then: str) -
     ("assign", "none"), ("tie", "none"), ("replace", "none"), ("untie", "none"),
     ("assign", "forward_only"), ("tie", "forward_only"), ("replace", "forward_only"),
     ("assign", "unshard"), ("tie", "summon"), ("assign", "ema"), ("tie", "flat_adamw"), ("untie", "flat_adamw"),
+    ("swap", "none"), ("swap", "flat_adamw"), ("assign", "mid_step"), ("tie", "mid_step"), ("tie", "float"),
+    ("assign", "async_unshard"), ("tie", "state_dict"),
 ])
 def test_model_changed_after_the_first_steps(change: str, then: str) -> None:
     """FSDP2 trains on with the parameters it sharded (an assignment or a tie is silently ignored)."""
     run_ranks(2, _changed_between_steps, change, then)
 
 
-def _changed_between_micro_batches(rank: int, world_size: int, change: str, sync: bool) -> None:
-    """A change between two micro-batches of one step: the gradients the others accumulated stay (with
-    ``sync=False`` unreduced until the last micro-batch), as on the unsharded model."""
-    ref, model = _tok_head_pair()
+def _changed_between_micro_batches(rank: int, world_size: int, change: str, mode: str) -> None:
+    """A change between two micro-batches of one step: the gradients the others accumulated stay (``no_sync``:
+    unreduced until the last micro-batch; ``no_all_reduce``: HSDP partial sums), as on the unsharded model."""
+    hsdp = mode == "no_all_reduce"
+    mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard")) if hsdp else None
+    ref, model = _tok_head_pair(mesh=mesh)
     opt, ref_opt = sgd_momentum(model.parameters()), sgd_momentum(ref.parameters())
     loss_fn = lambda m, b: (m(b[0]) - b[1]).square().mean()  # noqa: E731
     for i, step_batches in enumerate(random_batches(2, world_size, functools.partial(regression_batch, in_dim=4, out_dim=4))):
@@ -486,8 +512,10 @@ def _changed_between_micro_batches(rank: int, world_size: int, change: str, sync
                 new = _change(m, change, replicated=False)
                 if new:
                     o.add_param_group({"params": new})
-        if not sync:
+        if mode == "no_sync":
             model.set_requires_gradient_sync(i == 1)
+        elif hsdp:
+            model.set_requires_all_reduce(i == 1)
         (loss_fn(model, step_batches[rank]) / 2).backward()
         (sum(loss_fn(ref, b) for b in step_batches) / len(step_batches) / 2).backward()
     opt.step()
@@ -495,10 +523,10 @@ def _changed_between_micro_batches(rank: int, world_size: int, change: str, sync
     torch.testing.assert_close(full_params(model), full_params(ref))
 
 
-@pytest.mark.parametrize("sync", [True, False], ids=["sync", "no_sync"])
+@pytest.mark.parametrize("mode", ["sync", "no_sync", "no_all_reduce"])
 @pytest.mark.parametrize("change", ["assign", "tie"])
-def test_model_changed_between_micro_batches(change: str, sync: bool) -> None:
-    run_ranks(2, _changed_between_micro_batches, change, sync)
+def test_model_changed_between_micro_batches(change: str, mode: str) -> None:
+    run_ranks(4 if mode == "no_all_reduce" else 2, _changed_between_micro_batches, change, mode)
 
 
 def _unmanaged_after_the_first_steps(rank: int, world_size: int, change: str) -> None:
@@ -523,3 +551,18 @@ def test_model_changed_after_the_first_steps_unmanaged(change: str) -> None:
     """A plain tensor assigned in place of a sharded parameter raises at the next forward (FSDP2 trains on with
     the parameter it sharded); a module put in place unsharded warns that each rank trains its own copy."""
     run_ranks(2, _unmanaged_after_the_first_steps, change)
+
+
+def _assigned_inside_summon(rank: int, world_size: int) -> None:
+    _, model = _tok_head_pair()
+    with pytest.warns(UserWarning, match=r"assigned inside summon_full_params are not kept: head\.weight get the "):
+        with summon_full_params(model, writeback=True):
+            model.head.weight = model.tok.weight
+    assert model.head.weight is not model.tok.weight and isinstance(model.head.weight, DTensor)
+    torch.testing.assert_close(model.head.weight.full_tensor(), model.tok.weight.full_tensor())  # written back
+
+
+def test_parameters_assigned_inside_summon_full_params_warn() -> None:
+    """As FSDP1 documents, the context does not take assignments over; fullshard says so instead of dropping
+    them silently."""
+    run_ranks(2, _assigned_inside_summon)

@@ -631,9 +631,10 @@ class FSDPModule:
         """``to()``, ``to_empty()``, ``float()``...: convert, then re-link the flat shard buffer once every module
         of the group has converted (see [Note: Converting a group] in group.py)."""
         state = self._get_hook_state()
+        take_over_changes([state])  # so that the conversion reaches the parameters assigned since
         if state.group is not None:
             state.group.reshard()
-            state.group.adopt_reassigned()  # so that the conversion reaches the group's parameters
+            state.group.adopt_reassigned()  # (before the first forward)
         result = super()._apply(fn, recurse)  # type: ignore[misc]
         if state.group is not None:
             state.group.member_converted(self._as_module(), state.modules)

@@ -12,8 +12,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fullshard.errors import expect_module
 from fullshard.group import group_of
-from fullshard.param import full_tensor
-from fullshard.runtime import TrainingState, registrations, states_in, take_over_changes
+from fullshard.param import full_tensor, registrations
+from fullshard.runtime import TrainingState, states_in, take_over_changes
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

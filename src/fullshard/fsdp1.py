@@ -67,7 +67,9 @@ def summon_full_params(
         yield
     finally:
         for group in groups:
-            group.end_summon(writeback=writeback)
+            group.write_back_summoned(writeback)
+        for group in groups:
+            group.end_summon()
 
 
 # ---- no_sync -------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 import weakref
 from dataclasses import dataclass
 from enum import Enum, auto
@@ -18,7 +19,7 @@ from fullshard.collectives import CommStreams, PendingCollective, all_gather, al
 from fullshard.errors import MetaParameterError
 from fullshard.layout import GroupLayout, ParamLayout
 from fullshard.mesh import MeshInfo
-from fullshard.param import ShardedParam, full_tensor, inner_tensor, rank_axis_view, sharded_axes
+from fullshard.param import ShardedParam, full_tensor, inner_tensor, rank_axis_view, registrations, sharded_axes
 from fullshard.reduce import GradReducer
 
 
@@ -111,6 +112,7 @@ class ParamGroup:
         self.pin_memory = offload_to_cpu and pin_memory and device.type != "cpu"
         self.reducer = GradReducer(self)  # gradient reduction and its settings
         self.summoned = False  # inside summon_full_params
+        self._summoned: set[int] = set()  # the objects summon registered (by id), while summoned
         self.all_gather_comm: Any = None  # FSDPModule.set_custom_all_gather: torch's AllGather
         # One codec per parameter when the group all-gathers packed ([Note: Packed all-gather] in codec.py).
         self.codecs: list[Codec] | None = None
@@ -119,6 +121,9 @@ class ParamGroup:
         # linked, and whether the sharded parameters have left it (linked again before the next all-gather).
         self._converted: set[nn.Module] = set()
         self.stale = False
+        # registrations.count when a root last took over what was assigned to the group's modules: until the
+        # next one, registering leaves assigned values where they are ([Note: Changes after the first forward]).
+        self.registrations_seen = -1
         # Registers the state dict hooks on modules that start holding a parameter of this group (set by fully_shard).
         self.on_new_sites: Any = None
 
@@ -268,6 +273,11 @@ class ParamGroup:
         else:
             self.stale = True
 
+    @property
+    def keep_assigned(self) -> bool:
+        """Whether something may have been assigned to the group's modules since a root last took it over."""
+        return registrations.count != self.registrations_seen
+
     def assigned_values(self) -> list[tuple[Any, torch.Tensor]]:
         """``(site, value)`` where a module holds neither this group's sharded nor its unsharded parameter."""
         found: list[tuple[Any, torch.Tensor]] = []
@@ -310,7 +320,7 @@ class ParamGroup:
                 self.reducer.forget(p)  # what was accumulated for the parameter it replaced
                 swapped.append(p)
         for p in swapped:
-            p.register(p.sharded)  # every site of the parameter, not only the one assigned
+            p.register(p.sharded, keep_assigned=True)  # (a site given another group's parameter is a tie)
         if swapped:
             self._register_owner()  # group_of() knows the assigned objects, no longer the ones they replaced
         return bool(swapped) or untied
@@ -435,8 +445,9 @@ class ParamGroup:
         for p, grad in zip(self.params, unreduced):
             if grad is not None and grad.dtype == p.unsharded.dtype and grad.device == p.unsharded.device:
                 p.unsharded.grad = grad
+        keep = self.keep_assigned
         for p in self.params:
-            p.register(p.sharded)
+            p.register(p.sharded, keep)
 
     def remove(self, leaving: list[ShardedParam]) -> None:
         """Stop managing ``leaving`` (taken over by an enclosing group); the rest move to a new flat shard buffer.
@@ -552,8 +563,9 @@ class ParamGroup:
         self.streams.all_gather_read()
         if self.post_forward is not None:
             self.post_forward.buffer.untyped_storage().resize_(0)
+        keep = self.keep_assigned
         for p in self.params:
-            p.register_unsharded()
+            p.register_unsharded(keep)
         self.state = ShardedState.UNSHARDED
 
     def reshard(self) -> None:
@@ -562,8 +574,9 @@ class ParamGroup:
             return
         if self.state is ShardedState.UNSHARDING:
             self.wait_for_unshard()  # a collective in flight cannot be abandoned
+        keep = self.keep_assigned
         for p in self.params:
-            p.register(p.sharded)
+            p.register(p.sharded, keep)
         self._free_unsharded()
         if self.post_forward is not None:
             self.post_forward.buffer.untyped_storage().resize_(0)
@@ -584,8 +597,9 @@ class ParamGroup:
             full = region.view(p.layout.padded_shape).narrow(lay.shard_dim, 0, lay.padded_shape[lay.shard_dim])
             chunk.view(lay.chunk_shape).copy_(rank_axis_view(full, lay.shard_dim, lay.world_size)[pf.rank])
         self.streams.shards_written()  # backward's all-gather sends this buffer, written on the compute stream
+        keep = self.keep_assigned
         for p in self.params:
-            p.register(p.sharded)
+            p.register(p.sharded, keep)
         self._free_unsharded()
         self.state = ShardedState.SHARDED_POST_FORWARD
 
@@ -661,9 +675,23 @@ class ParamGroup:
                 p.register(copy)
         if not keep_full:
             self.reshard()
+        self._summoned = {id(site.module._parameters.get(site.name)) for p in self.params for site in p.sites}
 
-    def end_summon(self, writeback: bool) -> None:
-        """Leave ``summon``: with ``writeback`` each rank keeps its rows of the (possibly edited) full parameters."""
+    def write_back_summoned(self, writeback: bool) -> None:
+        """Leaving ``summon``, while every group's full parameters are still there: with ``writeback`` each rank
+        keeps its rows of the (possibly edited) full parameters. Parameters assigned inside are not taken over
+        (their values are written back in place of the ones they replaced): a warning says so."""
+        if not self.summoned:
+            return  # (summon raised before this group)
+        assigned = [p.fqn for p in self.params for site in p.sites
+                    if id(site.module._parameters.get(site.name)) not in self._summoned]
+        if assigned:
+            warnings.warn(
+                f"parameters assigned inside summon_full_params are not kept: {', '.join(assigned)} "
+                f"{'get the assigned values written back' if writeback else 'keep their values'} and stay the "
+                "parameters they were; assign (or tie) after the context exits",
+                stacklevel=4,
+            )
         if writeback:
             for p in self.params:
                 site = p.sites[0]
@@ -671,8 +699,12 @@ class ParamGroup:
                 if current is not None:
                     p.adopt(current.detach())
             self.streams.shards_written()
+
+    def end_summon(self) -> None:
+        """Leave ``summon`` (after ``write_back_summoned`` on every group)."""
         for p in self.params:
             p.unsharded.grad = None
+            p.register(p.sharded)  # over the summoned copies, which resharding would leave as if assigned
         self.reshard()
         self.summoned = False
 

@@ -229,6 +229,21 @@ def claimant_of(original: torch.Tensor) -> ShardedParam | None:
     return entry[1]() if entry is not None and entry[0]() is original else None
 
 
+class _Registrations:
+    """How many parameters and submodules were registered on any module of this process."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        nn.modules.module.register_module_parameter_registration_hook(self._registered)
+        nn.modules.module.register_module_module_registration_hook(self._registered)
+
+    def _registered(self, module: nn.Module, name: str, value: object) -> None:
+        self.count += 1  # returns None: the registered value stays what it is
+
+
+registrations = _Registrations()
+
+
 class ShardedParam:
     """Holds the sharded and unsharded parameter of one original parameter.
 
@@ -400,11 +415,18 @@ class ShardedParam:
         rank = self.mesh_info.shard_rank
         return local.narrow(lay.shard_dim, min(rank * lay.chunk_rows, lay.dim_size), lay.rows_on(rank))
 
-    def register(self, param: torch.Tensor) -> None:
+    def register(self, param: torch.Tensor, keep_assigned: bool = False) -> None:
+        """Register ``param`` at every site; with ``keep_assigned``, not where the module holds neither face of
+        this parameter: a value assigned since, which a root takes over ([Note: Changes after the first forward]
+        in runtime.py)."""
         for site in self.sites:
+            if keep_assigned:
+                current = site.module._parameters.get(site.name)
+                if current is not self.sharded and current is not self.unsharded:
+                    continue
             site.module._parameters[site.name] = cast(nn.Parameter, param)
 
-    def register_unsharded(self) -> None:
+    def register_unsharded(self, keep_assigned: bool = False) -> None:
         if self.unsharded.requires_grad != self.requires_grad:
             self.unsharded.requires_grad_(self.requires_grad)
-        self.register(self.unsharded)
+        self.register(self.unsharded, keep_assigned)

@@ -238,6 +238,12 @@ class GradReducer:
         new._partial_flags = {p: t for p, t in self._partial_flags.items() if p in params}
         return new
 
+    def hand_over(self, p: ShardedParam, to: GradReducer) -> None:
+        """``p`` moved to ``to``'s group: its partial sums go with it."""
+        for mine, theirs in ((self._partial_sums, to._partial_sums), (self._partial_flags, to._partial_flags)):
+            if p in mine:
+                theirs[p] = mine.pop(p)
+
     def forget(self, p: ShardedParam) -> None:
         """``p``'s parameter object was replaced: drop what was accumulated for the old one and not delivered."""
         p.unsharded.grad = p.accumulated_grad = None

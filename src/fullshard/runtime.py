@@ -62,6 +62,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 from fullshard import failures
 from fullshard.collectives import CommStreams, profiled
 from fullshard.group import ParamGroup, ShardedState, group_of
+from fullshard.param import registrations
 from fullshard.policy import MixedPrecisionPolicy
 from fullshard.reduce import PendingReduce, ReduceSettings
 
@@ -131,29 +132,20 @@ def in_backward() -> bool:
 # new states join, states whose modules left the tree leave (resharded, dropped from the
 # prefetch plan), assignments are taken over as at lazy init. A training loop that
 # registers nothing pays one comparison per step.
-# Whatever registers parameters outside a forward (unshard, reshard, summon_full_params,
-# EMA, load_state_dict) would register over an assignment, so it takes over first
-# (``take_over_changes``). Taking over needs sharded groups: a group still unsharded (a
-# forward without backward) is resharded, the assigned values put back. Reductions still
+# Whatever registers parameters outside a forward (unshard, reshard, a conversion,
+# summon_full_params, EMA, state_dict, load_state_dict) takes over first
+# (``take_over_changes``); and until a root has taken over, a group registering its
+# parameters (unshard, reshard, also inside backward) skips the modules holding neither
+# face of a parameter (``keep_assigned`` in group.py), so no assignment is lost before a
+# root sees it. Taking over needs sharded groups: a group still unsharded (a forward
+# without backward) is resharded; a tie made to its unsharded parameter names the sharded
+# one afterwards. Reductions still
 # in flight (``set_is_last_backward(False)``) are completed first. Gradients that the
 # other parameters accumulated (sharded, unreduced under no-sync, or HSDP partial sums)
 # stay through the relink; the assigned parameter starts without one, as a new parameter
 # does in PyTorch.
 
 
-class _Registrations:
-    """How many parameters and submodules were registered on any module of this process."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        nn.modules.module.register_module_parameter_registration_hook(self._registered)
-        nn.modules.module.register_module_module_registration_hook(self._registered)
-
-    def _registered(self, module: nn.Module, name: str, value: object) -> None:
-        self.count += 1  # returns None: the registered value stays what it is
-
-
-registrations = _Registrations()
 
 
 class IterationContext:
@@ -285,6 +277,8 @@ class IterationContext:
             self.streams.shards_written()
             self.end_of_backward_queued = False
             self.monitor.end_backward()
+            if self.registrations_seen != registrations.count:  # a tie made during the step names a parameter
+                _unsharded_to_sharded([s.group for s in self.states if s.group is not None])  # resharded now
 
     def drain_reduces(self) -> None:
         """Complete every reduction in flight: first let every reduce-scatter finish (CPU: issues the
@@ -481,6 +475,9 @@ class HookState:
                 # Like FSDP2: the root's parameters are needed first in backward, keep them.
                 state.reshard_after_forward = not state.is_root
         ctx.registrations_seen = registrations.count
+        for state in states:
+            if state.group is not None:
+                state.group.registrations_seen = registrations.count
         return ctx
 
     def _states_in_tree(self) -> tuple[list[HookState], dict[nn.Module, str]]:
@@ -763,83 +760,101 @@ def _take_over_assignments(states: list[HookState], module_names: dict[nn.Module
 
 
 def _reshard_keeping_assignments(groups: list[ParamGroup]) -> None:
-    """Taking over works on sharded groups, and resharding registers the sharded parameters at every module
-    that uses them: where something was assigned since, reshard every group and put the assigned values back.
-    A tie made while a group was unsharded (``head.weight = tok.weight`` after a forward without backward)
-    names the unsharded parameter: it becomes the sharded one."""
-    assigned = [found for group in groups if not group.summoned for found in group.assigned_values()]
-    if not assigned or all(group.state is ShardedState.SHARDED for group in groups):
+    """Taking over works on sharded groups: where something was assigned since, reshard every group (which
+    leaves the assigned values where they are). A tie made while a group was unsharded (``head.weight =
+    tok.weight`` after a forward without backward, or between a forward and its backward) names the unsharded
+    parameter, which stays registered there when the group reshards: it becomes the sharded one."""
+    if not any(group.assigned_values() for group in groups if not group.summoned):
         return
-    sharded_of = {id(p.unsharded): p.sharded for group in groups for p in group.params}
     for group in groups:
         if not group.summoned:
             group.reshard()
-    for site, value in assigned:
-        site.module._parameters[site.name] = sharded_of.get(id(value), value)
+    _unsharded_to_sharded(groups)
+
+
+def _unsharded_to_sharded(groups: list[ParamGroup]) -> None:
+    """Where a module holds a resharded group's unsharded parameter (assigned to it while the group was
+    unsharded), register that parameter's sharded face instead."""
+    sharded_of = {id(p.unsharded): p.sharded for group in groups if group.state is ShardedState.SHARDED
+                  for p in group.params}
+    for group in groups:
+        for site, value in group.assigned_values():
+            if id(value) in sharded_of:
+                site.module._parameters[site.name] = sharded_of[id(value)]
 
 
 def _take_over_late_ties(states: list[HookState], module_names: dict[nn.Module, str]) -> None:
     """Ties made after every ``fully_shard`` call (``model.head.weight = model.tok.weight``, one group's sharded
     parameter assigned to a module of another): the nearest group enclosing every module that uses the
     parameter takes it over, as ``fully_shard`` does for ties made before ([Note: Tied parameters across
-    groups] in api.py). The assigned parameter object stays the parameter; the one it replaced leaves its group.
+    groups] in api.py). The assigned parameter object stays the parameter; the one it replaced leaves its group
+    once no module uses it. Every module is first given to the parameter it holds, so parameters exchanged
+    between modules (``a.weight, b.weight = b.weight, a.weight``) are exchanged, not tied; anything that cannot
+    be taken over raises before anything changed.
     """
+    moves = []  # (the parameter a module held, that site, the parameter it holds now, that parameter's group)
     for state in states:
-        group = state.group
-        if group is None:
-            continue
-        for replaced in list(group.params):
-            for site in list(replaced.sites):
+        for replaced in state.group.params if state.group is not None else ():
+            for site in replaced.sites:
                 value = site.module._parameters.get(site.name)
                 owner = group_of(value) if value is not None and value is not replaced.sharded else None
-                if owner is None:
-                    continue  # not another group's sharded parameter (adopt_reassigned takes such values)
-                tied = next(p for p in owner.params if p.sharded is value)
-                users = [s.module for s in tied.sites] + [site.module]
-                nearest = _nearest_enclosing_state(states, module_names, users)
-                if nearest is not None and nearest.group is None and nearest.make_group is not None:
-                    nearest.group = _new_group(nearest.make_group, tied, site)
-                    nearest.group.reducer.settings = nearest.settings_without_group
-                    owner.remove([tied])
-                    _leave(replaced, site, group)
-                    continue
-                enclosing = nearest.group if nearest is not None else None
-                if enclosing is None or enclosing.mesh_info.mesh != tied.mesh_info.mesh or tied.tp is not None:
-                    raise ValueError(
-                        f"{replaced.fqn!r} was tied after fully_shard to {tied.fqn!r}, a parameter already managed by "
-                        "another FSDP group, and no fully_shard group on the same mesh encloses every module using "
-                        "it, so two copies would train: make the tie before fully_shard, or call fully_shard on a "
-                        "common ancestor of the modules"
-                    )
-                if enclosing is not owner:
-                    enclosing.check_can_add(tied)
-                tied.sites.append(site)
-                tied.register(tied.sharded)
-                if enclosing is owner:
-                    if owner.on_new_sites is not None:
-                        owner.on_new_sites([site.module])
-                else:
-                    enclosing.add(tied)
-                    owner.remove([tied])
-                _leave(replaced, site, group)
-    for state in states:
-        if state.group is not None and not state.group.params:
-            state.group = None
-
-
-def _leave(replaced: Any, site: Any, group: ParamGroup) -> None:
-    """``replaced`` is no longer used at ``site``; it leaves ``group`` once no module uses it."""
-    if site in replaced.sites:
+                if owner is not None:  # another group's sharded parameter, or one of this group's
+                    moves.append((replaced, site, next(p for p in owner.params if p.sharded is value), owner))
+    if not moves:
+        return
+    plans = []
+    for tied, owner in dict.fromkeys((tied, owner) for _, _, tied, owner in moves):
+        sites = [s for s in tied.sites if all(s is not site for _, site, _, _ in moves)]
+        sites += [site for _, site, other, _ in moves if other is tied]
+        nearest = _nearest_enclosing_state(states, module_names, [s.module for s in sites])
+        if nearest is not None and nearest.group is None and nearest.make_group is not None:
+            plans.append((tied, owner, sites, nearest))
+            continue
+        enclosing = nearest.group if nearest is not None else None
+        if enclosing is None or enclosing.mesh_info.mesh != tied.mesh_info.mesh or tied.tp is not None:
+            replaced = next(r for r, _, other, _ in moves if other is tied)
+            raise ValueError(
+                f"{replaced.fqn!r} was tied after fully_shard to {tied.fqn!r}, a parameter already managed by "
+                "another FSDP group, and no fully_shard group on the same mesh encloses every module using "
+                "it, so two copies would train: make the tie before fully_shard, or call fully_shard on a "
+                "common ancestor of the modules"
+            )
+        if enclosing is not owner:
+            enclosing.check_can_add(tied)
+        assert nearest is not None
+        plans.append((tied, owner, sites, nearest))
+    for replaced, site, _, _ in moves:
         replaced.sites.remove(site)
-    if not replaced.sites:
-        group.remove([replaced])
+    for tied, owner, sites, nearest in plans:
+        new_modules = [s.module for s in sites if all(s is not old for old in tied.sites)]
+        tied.sites = sites
+        if nearest.group is None:
+            assert nearest.make_group is not None
+            nearest.group = _new_group(nearest.make_group, tied)
+            nearest.group.reducer.settings = nearest.settings_without_group
+            owner.reducer.hand_over(tied, nearest.group.reducer)
+            owner.remove([tied])
+        elif nearest.group is owner:
+            if owner.on_new_sites is not None:
+                owner.on_new_sites(new_modules)
+        else:
+            nearest.group.add(tied)
+            owner.reducer.hand_over(tied, nearest.group.reducer)
+            owner.remove([tied])
+    for state in states:
+        group = state.group
+        if group is not None:
+            leaving = [p for p in group.params if not p.sites]  # no module uses it any more
+            if leaving:
+                group.remove(leaving)
+            if not group.params:
+                state.group = None
 
 
-def _new_group(make_group: Callable[[list[Any], list[torch.Tensor]], ParamGroup], tied: Any, site: Any) -> ParamGroup:
+def _new_group(make_group: Callable[[list[Any], list[torch.Tensor]], ParamGroup], tied: Any) -> ParamGroup:
     """A group for a state that had none, formed around ``tied`` (which keeps its parameter object)."""
     before = tied.sharded
     grad, unreduced = before.grad, tied.unsharded.grad  # accumulated so far (a tie between micro-batches)
-    tied.sites.append(site)
     group = make_group([tied], [before])
     if group.mesh_info.mesh != tied.mesh_info.mesh:
         raise ValueError(
@@ -852,7 +867,7 @@ def _new_group(make_group: Callable[[list[Any], list[torch.Tensor]], ParamGroup]
     if unreduced is not None and unreduced.dtype == tied.unsharded.dtype:
         tied.unsharded.grad = unreduced
     group.remove([])  # registers the owner and relinks with the swapped object
-    tied.register(before)
+    tied.register(before)  # the group registered the object it made, which now holds the old values
     return group
 
 

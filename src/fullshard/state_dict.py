@@ -53,7 +53,16 @@ def register_state_dict_hooks(group: ParamGroup, members: tuple[nn.Module, ...])
 
     group.on_new_sites = hook_modules
     hook_modules(list({site.module: None for p in group.params for site in p.sites} | dict.fromkeys(members)))
+    members[0].register_state_dict_pre_hook(_take_over_first)
 
+
+def _take_over_first(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    """Before any value is collected, take over what was assigned since, so that no entry is a tensor that
+    resharding frees (a tie to a group left unsharded by a forward without backward)."""
+    try:
+        take_over_changes(states_in(module, recurse=False))
+    except ValueError:
+        pass  # a plain tensor was assigned: the state dict holds it, as FSDP2's; the next forward raises
 
 def _entries(group: ParamGroup, module: nn.Module) -> list[tuple[str, ShardedParam]]:
     return [(site.name, p) for p in group.params for site in p.sites if site.module is module]
