@@ -278,6 +278,11 @@ class ParamGroup:
         """Whether something may have been assigned to the group's modules since a root last took it over."""
         return registrations.count != self.registrations_seen
 
+    def _register_sharded(self) -> None:
+        keep = self.keep_assigned
+        for p in self.params:
+            p.register(p.sharded, keep)
+
     def assigned_values(self) -> list[tuple[Any, torch.Tensor]]:
         """``(site, value)`` where a module holds neither this group's sharded nor its unsharded parameter."""
         found: list[tuple[Any, torch.Tensor]] = []
@@ -445,9 +450,7 @@ class ParamGroup:
         for p, grad in zip(self.params, unreduced):
             if grad is not None and grad.dtype == p.unsharded.dtype and grad.device == p.unsharded.device:
                 p.unsharded.grad = grad
-        keep = self.keep_assigned
-        for p in self.params:
-            p.register(p.sharded, keep)
+        self._register_sharded()
 
     def remove(self, leaving: list[ShardedParam]) -> None:
         """Stop managing ``leaving`` (taken over by an enclosing group); the rest move to a new flat shard buffer.
@@ -574,9 +577,7 @@ class ParamGroup:
             return
         if self.state is ShardedState.UNSHARDING:
             self.wait_for_unshard()  # a collective in flight cannot be abandoned
-        keep = self.keep_assigned
-        for p in self.params:
-            p.register(p.sharded, keep)
+        self._register_sharded()
         self._free_unsharded()
         if self.post_forward is not None:
             self.post_forward.buffer.untyped_storage().resize_(0)
@@ -597,9 +598,7 @@ class ParamGroup:
             full = region.view(p.layout.padded_shape).narrow(lay.shard_dim, 0, lay.padded_shape[lay.shard_dim])
             chunk.view(lay.chunk_shape).copy_(rank_axis_view(full, lay.shard_dim, lay.world_size)[pf.rank])
         self.streams.shards_written()  # backward's all-gather sends this buffer, written on the compute stream
-        keep = self.keep_assigned
-        for p in self.params:
-            p.register(p.sharded, keep)
+        self._register_sharded()
         self._free_unsharded()
         self.state = ShardedState.SHARDED_POST_FORWARD
 

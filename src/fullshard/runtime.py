@@ -139,13 +139,10 @@ def in_backward() -> bool:
 # face of a parameter (``keep_assigned`` in group.py), so no assignment is lost before a
 # root sees it. Taking over needs sharded groups: a group still unsharded (a forward
 # without backward) is resharded; a tie made to its unsharded parameter names the sharded
-# one afterwards. Reductions still
-# in flight (``set_is_last_backward(False)``) are completed first. Gradients that the
-# other parameters accumulated (sharded, unreduced under no-sync, or HSDP partial sums)
-# stay through the relink; the assigned parameter starts without one, as a new parameter
-# does in PyTorch.
-
-
+# one afterwards. Reductions still in flight (``set_is_last_backward(False)``) are
+# completed first. Gradients that the other parameters accumulated (sharded, unreduced
+# under no-sync, or HSDP partial sums) stay through the relink; the assigned parameter
+# starts without one, as a new parameter does in PyTorch.
 
 
 class IterationContext:

@@ -64,6 +64,7 @@ def _take_over_first(module: nn.Module, prefix: str, keep_vars: bool) -> None:
     except ValueError:
         pass  # a plain tensor was assigned: the state dict holds it, as FSDP2's; the next forward raises
 
+
 def _entries(group: ParamGroup, module: nn.Module) -> list[tuple[str, ShardedParam]]:
     return [(site.name, p) for p in group.params for site in p.sites if site.module is module]
 
