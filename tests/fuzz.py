@@ -179,8 +179,14 @@ class Case:
         optimizer where a LayerNorm follows a narrower layer: its input has rank 1 or 2 over 3 features, so the
         norm divides by little more than sqrt(eps) and multiplies the rounding by up to 1/sqrt(eps) (seed 9615,
         SGD: widths (3, 1, 3, 3) 0.323 apart at step 2, (3, 2, 3, 3) 0.194, (3, 3, 3, 3) within tolerance;
-        without quantized communication all three pass). Later steps still run, and must not raise."""
+        without quantized communication all three pass). Tensor parallel with bf16 compute likewise: each rank's
+        partial product is rounded to bf16 before the partial sums are added, where the reference rounds the whole
+        product once, and a LayerNorm after a narrower layer amplifies that (seed 26349: fullshard and FSDP2 both
+        0.109 from the reference at step 2 and within the bf16 tolerance of each other). Later steps still run,
+        must not raise, and are compared with FSDP2 where it trains the case."""
         if self.quantized and (self.optim in ("adamw", "fs_adamw", "muon") or self._norm_after_narrower_layer):
+            return 1
+        if self.tp and self.mp != "none" and self._norm_after_narrower_layer:
             return 1
         return self.steps
 
