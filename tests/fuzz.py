@@ -118,6 +118,7 @@ class Case:
     reassign_later: bool = False  # at step 1 the last block's weight re-assigned as half its value (a DTensor on the
     # sharded runs) and added to the optimizer as a group of its own; the replaced parameter keeps its state
     reassign_mid_step: bool = False  # with reassign_later and accumulation: between the first two micro-batches
+    strided: bool = False  # the first block's weight is a transpose (non-contiguous), as it is when sharded
 
     def describe(self) -> str:
         plain = Case(self.seed)
@@ -142,15 +143,15 @@ class Case:
 
     @property
     def fsdp2_supported(self) -> bool:
-        """Whether torch's FSDP2 trains this case (it rejects ties across groups, zero-element parameters,
-        parameters used on some ranks only, fullshard's own optimizers, EMA and quantized communication; it fails
+        """Whether torch's FSDP2 trains this case (it rejects ties across groups, zero-element and non-contiguous
+        parameters, parameters used on some ranks only, fullshard's own optimizers, EMA and quantized communication; it fails
         on changed output views and inputs and on a double backward; reentrant checkpoints it trains, except
         around a block applied twice, whose gradients it gets wrong). A block applied twice with bf16 gradients
         accumulated over micro-batches: FSDP2 adds them in another order, and the sum of a few large bf16 terms
         can round a small gradient apart by a unit of those terms, so only the reference compares. HSDP partial sums
         kept in bf16 over micro-batches likewise (seed 6319: both within 1.5e-3 of the reference, 1.7e-3 apart)."""
-        return (self.tie in ("none", "within") and not self.zero_numel and self.branch != "ranks" and not self.mixed_dtype
-                and self.optim in ("sgd", "adamw") and self.clip != "fullshard" and not self.quantized
+        return (self.tie in ("none", "within") and not self.zero_numel and not self.strided and self.branch != "ranks"
+                and not self.mixed_dtype and self.optim in ("sgd", "adamw") and self.clip != "fullshard" and not self.quantized
                 and not self.ema and self.resume_ws == 0 and self.user in ("none", "reentrant")
                 and not (self.reuse and (self.user == "reentrant" or (self.mp == "bf16" and self.accumulation > 1)))
                 and not (self.all_reduce_last and self.mp == "bf16"))
@@ -251,7 +252,7 @@ def draw(seed: int) -> Case:
         kw.update(tie=rng.choice(["none", "within"]), zero_numel=False, quantized=False, ema=False, mixed_dtype=False,
                   branch=rng.choice(["none", "steps", "param_steps"]), optim=rng.choice(["sgd", "adamw"]),
                   clip=rng.choice(["none", "torch"]))
-        return _draw_later(_draw_controls(_draw_start(_draw_user(_draw_more(Case(seed, **kw))))))
+        return _draw_strided(_draw_later(_draw_controls(_draw_start(_draw_user(_draw_more(Case(seed, **kw)))))))
     if rng.random() < 0.12:
         kw["resume_ws"] = rng.choice([w for w in (1, 2, 4) if w != ws])
         kw["hsdp"], kw["reshard"] = False, "true" if kw["reshard"] == "int" else kw["reshard"]
@@ -259,7 +260,13 @@ def draw(seed: int) -> Case:
         kw["steps"] = max(kw["steps"], 3)
         kw["eval_pass"] = "all" if kw["eval_pass"] == "replica" else kw["eval_pass"]
         kw["scheduler"] = kw["ema"] = False  # their state is not part of the checkpoint
-    return _draw_later(_draw_controls(_draw_start(_draw_user(_draw_more(Case(seed, **kw))))))
+    return _draw_strided(_draw_later(_draw_controls(_draw_start(_draw_user(_draw_more(Case(seed, **kw)))))))
+
+
+def _draw_strided(case: Case) -> Case:
+    """A non-contiguous weight, from a stream of its own; not where torch's FSDP2 is compared (it raises)."""
+    rng = random.Random(f"strided-{case.seed}")
+    return dataclasses.replace(case, strided=rng.random() < 0.2 and not case.fsdp2_supported)
 
 
 def _draw_later(case: Case) -> Case:
@@ -393,6 +400,9 @@ class Net(nn.Module):
             self.twice = Block(case, -1, d, d)
         if case.tie != "none":  # ("after": untied while sharding, see shard())
             self.post.weight = self.pre.weight
+        if case.strided:
+            lin = self.blocks[0].lin
+            lin.weight = nn.Parameter(lin.weight.detach().t().contiguous().t())
         if case.frozen:
             first = self.blocks[0].lin
             (first.bias if first.bias is not None else first.weight).requires_grad_(False)
@@ -459,7 +469,8 @@ def materialize(case: Case, model: Net) -> None:
 
     model.to_empty(device="cpu")
     if case.init == "meta_broadcast":
-        values = build(case).state_dict() if dist.get_rank() == 0 else {}
+        # contiguous: torch's broadcast_from_rank0 sends a non-contiguous value's storage order (torch 2.13)
+        values = {k: v.contiguous() for k, v in build(case).state_dict().items()} if dist.get_rank() == 0 else {}
         set_model_state_dict(model, values, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
         return
     values = build(case).state_dict()  # the same on every rank: each takes its shard without communication

@@ -447,6 +447,42 @@ def test_zero_element_parameters(world_size: int) -> None:
     run_ranks(world_size, _zero_element)
 
 
+# ---- non-contiguous parameters (FSDP2: NotImplementedError) -----------------------------------------------
+
+
+class Strided(nn.Module):
+    """A channels_last convolution with 5 output channels (uneven on 2 and 4 ranks) and a weight that is a
+    transpose (stride (1, 35))."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 5, (3, 1), padding=(1, 0)).to(memory_format=torch.channels_last)
+        self.proj = nn.Parameter(torch.randn(3, 35).t() / 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv(x.view(-1, 2, 7, 1).contiguous(memory_format=torch.channels_last))
+        return torch.tanh(h).flatten(1) @ self.proj
+
+
+def shard_strided(when: str, model: Strided) -> None:
+    assert not model.conv.weight.is_contiguous() and not model.proj.is_contiguous()
+    fully_shard(model.conv)
+    fully_shard(model)
+    if when == "after":  # the sharded parameters converted; FSDP2 fails at the next all-gather
+        model.to(memory_format=torch.channels_last)
+
+
+def _non_contiguous(rank: int, world_size: int, when: str) -> None:
+    _, model = run_parity(rank, world_size, Strided, functools.partial(shard_strided, when),
+                          functools.partial(regression_batch, in_dim=14), mse_loss)
+    assert model.proj.shape == (35, 3) and model.conv.weight.shape == (5, 2, 3, 1)
+
+
+@pytest.mark.parametrize(("world_size", "when"), [(2, "before"), (4, "before"), (2, "after")])
+def test_non_contiguous_parameters(world_size: int, when: str) -> None:
+    run_ranks(world_size, _non_contiguous, when)
+
+
 # ---- HSDP partial sums are never dropped --------------------------------------------------------------
 
 

@@ -345,11 +345,6 @@ def _check_params(
             _check_tensor_parallel(p, fqn, mesh_info)
         if p.dim() == 0:
             raise ValueError(f"fully_shard doesn't support scalar parameters. Change {fqn} to a 1D tensor with numel equal to 1.")
-        if not p.is_contiguous():
-            raise UnsupportedError(
-                f"FSDP does not support non-contiguous parameters yet: {fqn!r} has shape {tuple(p.shape)} and stride "
-                f"{p.stride()}; make it contiguous before fully_shard (e.g. module.to(memory_format=torch.contiguous_format))"
-            )
         if p.device.type != "meta":
             check_param_device(fqn, p.device, device)
     devices = {p.device.type == "meta" for p in params}
