@@ -387,3 +387,47 @@ def test_forward_only_loops_reach_a_steady_state() -> None:
     *per_forward, ends = run_ranks(2, _inference_loop, timeout=60)[0]
     assert per_forward[0] >= 3 and per_forward[1:] == [0] * 5, per_forward
     assert ends == 5, ends
+
+
+
+def _new_mesh_later(rank: int, world_size: int) -> tuple[str, str]:
+    model = sharded_blocks(20)
+    x = torch.randn(4, 8)
+    model(x, [0, 1, 2]).sum().backward()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    for _ in range(2):  # join after training started, on rank sets no group had so far
+        late = torch.nn.Linear(8, 8)
+        fully_shard(late, mesh=mesh)
+        model.blocks.append(late)
+    model(x, [0, 1, 2, 3, 4]).sum().backward()
+    try:  # the late blocks have one shape: swapped, collectives of one could pair with the other's
+        model(x, [0, 1, 2, 4, 3] if rank == 3 else [0, 1, 2, 3, 4]).sum().backward()
+    except fullshard.DivergenceError as err:
+        return type(err).__name__, str(err)
+    return "no error", ""
+
+
+def test_divergence_in_a_group_on_a_new_mesh_is_caught() -> None:
+    results = run_ranks(4, _new_mesh_later, timeout=120)
+    assert [kind for kind, _ in results] == ["DivergenceError"] * 4, results
+    assert len({message for _, message in results}) == 1, results
+    message = results[0][1]
+    assert "ranks ran different code in this iteration" in message and "of group 'blocks.4'" in message, message
+
+
+def _new_mesh_skipped(rank: int, world_size: int) -> str:
+    model = sharded_blocks(8)
+    x = torch.randn(4, 8)
+    model(x, [0, 1, 2]).sum().backward()
+    late = torch.nn.Linear(8, 8)
+    fully_shard(late, mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
+    model.blocks.append(late)
+    try:  # rank 3 never builds the new rank set's check: its peer there waits for it
+        model(x, [0, 1, 2] if rank == 3 else [0, 1, 2, 3]).sum().backward()
+    except (fullshard.RankFailureError, fullshard.DivergenceError) as err:
+        return type(err).__name__
+    return "no error"
+
+
+def test_a_new_mesh_whose_peer_never_comes_is_a_rank_failure() -> None:
+    assert set(run_ranks(4, _new_mesh_skipped, timeout=120)) <= {"RankFailureError", "DivergenceError"}

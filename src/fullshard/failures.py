@@ -41,7 +41,9 @@ evaluation pass (all-gathers inside its shard group) that the other does not,
 which is correct and must not be compared across replicas. Every comparison
 runs on a gloo backend of the track's own, built at lazy init (also in NCCL
 jobs: it needs no device work and completes when mismatched NCCL collectives
-hang on the device).
+hang on the device); a rank set that appears later (a module on another mesh
+taken over after training started) gets its track at its first collective,
+which every rank of the set is about to issue.
 
 - *End checks*: at the end of each backward, every track that issued
   collectives since its last check compares (end, count, CRC) over its ranks
@@ -202,10 +204,7 @@ class Monitor:
             if len(ranks) == 1:
                 continue
             if ranks not in by_ranks:
-                key = f"{self.key}t{zlib.crc32(str(ranks).encode()):08x}/"
-                backend = dist.ProcessGroupGloo(dist.PrefixStore(key + "pg/", self.store), ranks.index(dist.get_rank()),
-                                                len(ranks), datetime.timedelta(seconds=_timeout_s))
-                by_ranks[ranks] = Track(ranks, g, backend, False, key)
+                by_ranks[ranks] = self._new_track(ranks, g)
             # Two groups over one rank set share a track (their collectives interleave alike on every rank),
             # which compares before a collective when any of them is gloo.
             by_ranks[ranks].precheck |= dist.get_backend(g) == "gloo"
@@ -214,6 +213,13 @@ class Monitor:
             if ranks in by_ranks:
                 self.tracks[g] = by_ranks[ranks]
         _heartbeat.watch(self)
+
+    def _new_track(self, ranks: tuple[int, ...], group: dist.ProcessGroup) -> Track:
+        """A track over ``ranks``, with a gloo backend of its own (every rank of the set builds it at once)."""
+        key = f"{self.key}t{zlib.crc32(str(ranks).encode()):08x}/"
+        backend = dist.ProcessGroupGloo(dist.PrefixStore(key + "pg/", self.store), ranks.index(dist.get_rank()),
+                                        len(ranks), datetime.timedelta(seconds=_timeout_s))
+        return Track(ranks, group, backend, False, key)
 
     def close(self) -> None:
         """Drop the check backends (this root was replaced by an enclosing one, or the process group is going)."""
@@ -232,9 +238,21 @@ class Monitor:
         _heartbeat.issued += 1
         if group is None or self.store is None:
             return None
-        if group not in self.tracks:  # a group made after lazy init (a separate reduce-scatter group)
+        if group not in self.tracks:  # a group made after lazy init (a separate reduce-scatter group, a module
+            # on another mesh taken over after training started)
             ranks = tuple(dist.get_process_group_ranks(group))
-            self.tracks[group] = next((t for t in self.tracks.values() if t is not None and t.ranks == ranks), None)
+            track = next((t for t in self.tracks.values() if t is not None and t.ranks == ranks), None)
+            if track is None and len(ranks) > 1 and dist.get_backend(group) != "fake":
+                # Its first collective: every rank of the set is here before issuing it, so it can build the track
+                try:
+                    track = self._new_track(ranks, group)
+                except RuntimeError as err:  # a peer never came: it died, or runs other code
+                    dead, behind, sentence = diagnose(group)
+                    raise RankFailureError(f"fullshard: the check of the first {kind} of group {label!r} on rank "
+                                           f"{dist.get_rank()} found no peers within {_timeout_s:g} s: {sentence}",
+                                           tuple(dead or behind)) from err
+                track.precheck = dist.get_backend(group) == "gloo"
+            self.tracks[group] = track
         track = self.tracks[group]
         if track is None:
             return None
