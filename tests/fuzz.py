@@ -207,12 +207,20 @@ class Case:
         return any(self.normed(a, b) and a < b for a, b in zip(self.widths, self.widths[1:]))
 
     @property
+    def _norm_after_width_one(self) -> bool:
+        w = self.widths
+        return any(self.normed(a, b) and min(w[: i + 1]) == 1 for i, (a, b) in enumerate(zip(w, w[1:])))
+
+    @property
     def tolerance(self) -> dict[str, float]:
         if self.quantized:  # int8 weights: AdamW turns the rounding in a gradient near zero into a whole lr step
             # either way, and a LayerNorm over 3 features multiplies it (seed 2697: 0.104 on a gradient of 0.86)
             return {"rtol": 0.1, "atol": 0.1}
         if self.mp != "none":  # bf16 compute, emulated by the reference up to the order of roundings
-            return {"rtol": 5e-2, "atol": 1e-2}
+            # A LayerNorm anywhere after a layer of width 1 normalises a nearly rank-1 input and amplifies those
+            # roundings (seed 30408, SGD: 0.034 at step 3 after a weight re-assigned between micro-batches; in fp32
+            # within 2e-4, and with widths 2-2 or 2-3 in place of 2-1 within this tolerance)
+            return {"rtol": 5e-2, "atol": 5e-2 if self._norm_after_width_one else 1e-2}
         if self.optim == "muon":  # Newton-Schulz runs in bf16: a gradient's last fp32 bit can round its input apart
             return {"rtol": 1e-2, "atol": 1e-3}
         return {"rtol": 2e-4, "atol": 2e-5}  # norms over a few elements amplify rounding
