@@ -144,14 +144,16 @@ class Case:
     @property
     def fsdp2_supported(self) -> bool:
         """Whether torch's FSDP2 trains this case (it rejects ties across groups, zero-element and non-contiguous
-        parameters, parameters used on some ranks only, fullshard's own optimizers, EMA and quantized communication; it fails
-        on changed output views and inputs and on a double backward; reentrant checkpoints it trains, except
-        around a block applied twice, whose gradients it gets wrong). A block applied twice with bf16 gradients
-        accumulated over micro-batches: FSDP2 adds them in another order, and the sum of a few large bf16 terms
-        can round a small gradient apart by a unit of those terms, so only the reference compares. HSDP partial sums
-        kept in bf16 over micro-batches likewise (seed 6319: both within 1.5e-3 of the reference, 1.7e-3 apart)."""
-        return (self.tie in ("none", "within") and not self.zero_numel and not self.strided and self.branch != "ranks"
-                and not self.mixed_dtype and self.optim in ("sgd", "adamw") and self.clip != "fullshard" and not self.quantized
+        parameters, parameters used on some ranks only, fullshard's own optimizers, EMA and quantized communication;
+        it trains on the weight it sharded when one is re-assigned mid-run; it fails on changed output views and
+        inputs and on a double backward; reentrant checkpoints it trains, except around a block applied twice, whose
+        gradients it gets wrong). A block applied twice with bf16 gradients accumulated over micro-batches: FSDP2 adds
+        them in another order, and the sum of a few large bf16 terms can round a small gradient apart by a unit of
+        those terms, so only the reference compares. HSDP partial sums kept in bf16 over micro-batches likewise
+        (seed 6319: both within 1.5e-3 of the reference, 1.7e-3 apart)."""
+        return (self.tie in ("none", "within") and not self.zero_numel and not self.strided and not self.reassign_later
+                and self.branch != "ranks" and not self.mixed_dtype and self.optim in ("sgd", "adamw")
+                and self.clip != "fullshard" and not self.quantized
                 and not self.ema and self.resume_ws == 0 and self.user in ("none", "reentrant")
                 and not (self.reuse and (self.user == "reentrant" or (self.mp == "bf16" and self.accumulation > 1)))
                 and not (self.all_reduce_last and self.mp == "bf16"))
