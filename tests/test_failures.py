@@ -389,7 +389,6 @@ def test_forward_only_loops_reach_a_steady_state() -> None:
     assert ends == 5, ends
 
 
-
 def _new_mesh_later(rank: int, world_size: int) -> tuple[str, str]:
     model = sharded_blocks(20)
     x = torch.randn(4, 8)

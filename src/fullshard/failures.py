@@ -203,10 +203,10 @@ class Monitor:
             ranks = tuple(dist.get_process_group_ranks(g))
             if len(ranks) == 1:
                 continue
-            if ranks not in by_ranks:
-                by_ranks[ranks] = self._new_track(ranks, g)
             # Two groups over one rank set share a track (their collectives interleave alike on every rank),
             # which compares before a collective when any of them is gloo.
+            if ranks not in by_ranks:
+                by_ranks[ranks] = self._new_track(ranks, g)
             by_ranks[ranks].precheck |= dist.get_backend(g) == "gloo"
         for g in unique.values():
             ranks = tuple(dist.get_process_group_ranks(g))
@@ -219,7 +219,7 @@ class Monitor:
         key = f"{self.key}t{zlib.crc32(str(ranks).encode()):08x}/"
         backend = dist.ProcessGroupGloo(dist.PrefixStore(key + "pg/", self.store), ranks.index(dist.get_rank()),
                                         len(ranks), datetime.timedelta(seconds=_timeout_s))
-        return Track(ranks, group, backend, False, key)
+        return Track(ranks, group, backend, dist.get_backend(group) == "gloo", key)
 
     def close(self) -> None:
         """Drop the check backends (this root was replaced by an enclosing one, or the process group is going)."""
@@ -251,7 +251,6 @@ class Monitor:
                     raise RankFailureError(f"fullshard: the check of the first {kind} of group {label!r} on rank "
                                            f"{dist.get_rank()} found no peers within {_timeout_s:g} s: {sentence}",
                                            tuple(dead or behind)) from err
-                track.precheck = dist.get_backend(group) == "gloo"
             self.tracks[group] = track
         track = self.tracks[group]
         if track is None:
