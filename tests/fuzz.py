@@ -119,6 +119,7 @@ class Case:
     # sharded runs) and added to the optimizer as a group of its own; the replaced parameter keeps its state
     reassign_mid_step: bool = False  # with reassign_later and accumulation: between the first two micro-batches
     strided: bool = False  # the first block's weight is a transpose (non-contiguous), as it is when sharded
+    scalar: bool = False  # 0-dim parameters: a gate in block 0 and a temperature on the root (replicated)
 
     def describe(self) -> str:
         plain = Case(self.seed)
@@ -143,15 +144,16 @@ class Case:
 
     @property
     def fsdp2_supported(self) -> bool:
-        """Whether torch's FSDP2 trains this case (it rejects ties across groups, zero-element and non-contiguous
-        parameters, parameters used on some ranks only, fullshard's own optimizers, EMA and quantized communication;
-        it trains on the weight it sharded when one is re-assigned mid-run; it fails on changed output views and
-        inputs and on a double backward; reentrant checkpoints it trains, except around a block applied twice, whose
-        gradients it gets wrong). A block applied twice with bf16 gradients accumulated over micro-batches: FSDP2 adds
-        them in another order, and the sum of a few large bf16 terms can round a small gradient apart by a unit of
-        those terms, so only the reference compares. HSDP partial sums kept in bf16 over micro-batches likewise
-        (seed 6319: both within 1.5e-3 of the reference, 1.7e-3 apart)."""
+        """Whether torch's FSDP2 trains this case (it rejects ties across groups, zero-element, non-contiguous and
+        0-dim parameters, parameters used on some ranks only, fullshard's own optimizers, EMA and quantized
+        communication; it trains on the weight it sharded when one is re-assigned mid-run; it fails on changed output
+        views and inputs and on a double backward; reentrant checkpoints it trains, except around a block applied
+        twice, whose gradients it gets wrong). A block applied twice with bf16 gradients accumulated over
+        micro-batches: FSDP2 adds them in another order, and the sum of a few large bf16 terms can round a small
+        gradient apart by a unit of those terms, so only the reference compares. HSDP partial sums kept in bf16
+        over micro-batches likewise (seed 6319: both within 1.5e-3 of the reference, 1.7e-3 apart)."""
         return (self.tie in ("none", "within") and not self.zero_numel and not self.strided and not self.reassign_later
+                and not self.scalar
                 and self.branch != "ranks" and not self.mixed_dtype and self.optim in ("sgd", "adamw")
                 and self.clip != "fullshard" and not self.quantized
                 and not self.ema and self.resume_ws == 0 and self.user in ("none", "reentrant")
@@ -266,7 +268,7 @@ def draw(seed: int) -> Case:
         kw.update(tie=rng.choice(["none", "within"]), zero_numel=False, quantized=False, ema=False, mixed_dtype=False,
                   branch=rng.choice(["none", "steps", "param_steps"]), optim=rng.choice(["sgd", "adamw"]),
                   clip=rng.choice(["none", "torch"]))
-        return _draw_strided(_draw_later(_draw_controls(_draw_start(_draw_user(_draw_more(Case(seed, **kw)))))))
+        return _draw_scalar(_draw_strided(_draw_later(_draw_controls(_draw_start(_draw_user(_draw_more(Case(seed, **kw))))))))
     if rng.random() < 0.12:
         kw["resume_ws"] = rng.choice([w for w in (1, 2, 4) if w != ws])
         kw["hsdp"], kw["reshard"] = False, "true" if kw["reshard"] == "int" else kw["reshard"]
@@ -274,13 +276,24 @@ def draw(seed: int) -> Case:
         kw["steps"] = max(kw["steps"], 3)
         kw["eval_pass"] = "all" if kw["eval_pass"] == "replica" else kw["eval_pass"]
         kw["scheduler"] = kw["ema"] = False  # their state is not part of the checkpoint
-    return _draw_strided(_draw_later(_draw_controls(_draw_start(_draw_user(_draw_more(Case(seed, **kw)))))))
+    return _draw_scalar(_draw_strided(_draw_later(_draw_controls(_draw_start(_draw_user(_draw_more(Case(seed, **kw))))))))
 
 
 def _draw_strided(case: Case) -> Case:
     """A non-contiguous weight, from a stream of its own; not where torch's FSDP2 is compared (it raises)."""
     rng = random.Random(f"strided-{case.seed}")
     return dataclasses.replace(case, strided=rng.random() < 0.2 and not case.fsdp2_supported)
+
+
+def _draw_scalar(case: Case) -> Case:
+    """0-dim parameters, from a stream of their own; not where torch's FSDP2 is compared (it raises) nor with
+    tensor parallel (a plain 0-dim gate on the column-parallel output would need to be a DTensor on "tp"). Nor
+    where a tie made after fully_shard would join a root group that cannot take it (the temperature gives the root
+    a group; one with codecs or an int reshard refuses late ties)."""
+    rng = random.Random(f"scalar-{case.seed}")
+    refuses_ties = case.quantized or case.mixed_dtype or case.extension or case.reshard == "int"
+    scalar = not case.fsdp2_supported and not case.tp and not (case.tie == "after" and refuses_ties)
+    return dataclasses.replace(case, scalar=rng.random() < 0.25 and scalar)
 
 
 def _draw_later(case: Case) -> Case:
@@ -374,6 +387,8 @@ class Block(nn.Module):
             self.empty = nn.Parameter(torch.zeros(0, 3))
         if case.branch in ("ranks", "param_steps") and index == 0:
             self.extra = nn.Linear(d_out, d_out)
+        if case.scalar and index == 0:
+            self.gate = nn.Parameter(torch.tensor(0.8))
         self.active_rank = 0  # set before each forward (the reference runs every rank's batch)
         self.step = 0
 
@@ -393,6 +408,8 @@ class Block(nn.Module):
         if hasattr(self, "extra") and (self.active_rank == 0 if self.case.branch == "ranks" else self.step % 2 == 0):
             h = h + self.extra(h)
         h = torch.tanh(h)
+        if hasattr(self, "gate"):
+            h = h * self.gate
         if self.case.buffers:
             h = h * self.scale.to(h.dtype)  # buffers keep their dtype under mixed precision
         if self.case.user in ("view_out", "inplace_inputs"):
@@ -414,6 +431,8 @@ class Net(nn.Module):
             self.twice = Block(case, -1, d, d)
         if case.tie != "none":  # ("after": untied while sharding, see shard())
             self.post.weight = self.pre.weight
+        if case.scalar:
+            self.temperature = nn.Parameter(torch.tensor(1.1))
         if case.strided:
             lin = self.blocks[0].lin
             lin.weight = nn.Parameter(lin.weight.detach().t().contiguous().t())
@@ -438,7 +457,8 @@ class Net(nn.Module):
         if h.shape[-1] != self.case.widths[-1]:  # the last block was skipped: pad or crop to the model's width
             h = F.pad(h, (0, self.case.widths[-1] - h.shape[-1]))
         # (fp32 with a mixed-precision output_dtype, where the blocks' outputs are cast up)
-        return self.post(h.to(self.post.weight.dtype)) + 0.1 * aux.to(self.post.weight.dtype)
+        out = self.post(h.to(self.post.weight.dtype)) + 0.1 * aux.to(self.post.weight.dtype)
+        return out * self.temperature if self.case.scalar else out
 
     def run_block(self, block: Block, h: torch.Tensor, aux: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.case.user == "reentrant" or self.case.ac == "outside":

@@ -37,10 +37,6 @@ def _bad_arguments(rank: int, world_size: int) -> None:
         fully_shard(nn.Linear(3, 3), mp_policy=MixedPrecisionPolicy(param_dtype=torch.int8))
     with pytest.raises(ValueError, match="does not support containers that do not implement forward: ModuleList"):
         fully_shard(nn.ModuleList([nn.Linear(3, 3)]))
-    scalar = nn.Module()
-    scalar.w = nn.Parameter(torch.tensor(1.0))
-    with pytest.raises(ValueError, match="doesn't support scalar parameters. Change w to a 1D tensor"):
-        fully_shard(scalar)
     with pytest.raises(ValueError, match=r"sharding 'weight' on dim 1 needs its size 3 to be divisible"):
         fully_shard(nn.Linear(3, 4), shard_placement_fn=lambda p: Shard(1))
     mesh = init_device_mesh("cpu", (world_size,))

@@ -46,9 +46,20 @@ def test_subset_repacks() -> None:
         group.subset((True, False))
 
 
+def test_replicated_scalar_layout() -> None:
+    """A 0-dim parameter: one row per rank, each rank's copy whole ([Note: Replicated scalars])."""
+    lay = ParamLayout((), 0, 3)
+    assert lay.replicated and not ParamLayout((1,), 0, 3).replicated
+    assert (lay.chunk_rows, lay.shard_numel, lay.padded_shape, lay.unsharded_numel) == (1, 1, (3,), 3)
+    assert [lay.rows_on(r) for r in range(3)] == [1, 1, 1] and lay.local_shape(2) == ()
+    group = GroupLayout((ParamLayout((5,), 0, 3), lay, ParamLayout((2, 2), 0, 3)))
+    assert group.shard_offsets == (0, 2, 3) and group.shard_numel == 5 and group.replicated_offsets == (2,)
+    assert group.subset((False, True, True)).replicated_offsets == (0,)
+
+
 def test_bad_layouts() -> None:
-    with pytest.raises(ValueError, match="0-dim parameter has no dimension to shard"):
-        ParamLayout((), 0, 2)
+    with pytest.raises(ValueError, match=r"shard dim 1 is out of range for shape \(\)"):
+        ParamLayout((), 1, 2)
     with pytest.raises(ValueError, match="shard dim 2 is out of range for shape"):
         ParamLayout((3, 3), 2, 2)
     with pytest.raises(ValueError, match="rank 2 is outside world size 2"):

@@ -87,7 +87,8 @@ def fully_shard(
     its backward. Call it bottom-up (blocks first, root last). Each parameter
     becomes a ``DTensor`` with a ``Shard(0)`` placement (or the one
     ``shard_placement_fn`` returns) whose local tensor is a view into the group's
-    flat shard buffer. The module's class becomes a subclass of
+    flat shard buffer; a 0-dim parameter, which torch's FSDP2 refuses, becomes a
+    ``Replicate`` DTensor, whole on every rank. The module's class becomes a subclass of
     :class:`FSDPModule`; the same module object is returned.
 
     - ``mesh``: 1-D shards over all its ranks; 2-D (with ``mesh_dim_names``) is
@@ -343,8 +344,11 @@ def _check_params(
         fqn = fqns[p]
         if isinstance(p, DTensor):
             _check_tensor_parallel(p, fqn, mesh_info)
-        if p.dim() == 0:
-            raise ValueError(f"fully_shard doesn't support scalar parameters. Change {fqn} to a 1D tensor with numel equal to 1.")
+        if p.dim() == 0 and (isinstance(p, DTensor) or hasattr(p, "fsdp_pre_all_gather")):
+            raise NotImplementedError(
+                f"parameter {fqn!r} is 0-dim and a {type(p).__name__}; fully_shard replicates plain 0-dim "
+                "parameters only (a tensor-parallel or all-gather-extension one needs at least one dimension)"
+            )
         if p.device.type != "meta":
             check_param_device(fqn, p.device, device)
     devices = {p.device.type == "meta" for p in params}
@@ -397,6 +401,8 @@ def _layout(
     param: torch.Tensor, fqn: str, shard_placement_fn: _ShardPlacementFn | None, mesh_info: MeshInfo,
     tensor_parallel: bool = False,
 ) -> ParamLayout:
+    if param.dim() == 0:  # whole on every rank ([Note: Replicated scalars] in layout.py); nothing to place
+        return ParamLayout((), 0, mesh_info.shard_size)
     placement = shard_placement_fn(cast(nn.Parameter, param)) if shard_placement_fn is not None else None
     if placement is None:
         dim = 0

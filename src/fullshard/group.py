@@ -341,7 +341,7 @@ class ParamGroup:
             # It cannot become a DTensor in place, and an optimizer built since may hold it.
             raise ValueError(
                 f"parameter {p.fqn!r} was re-assigned after fully_shard with a plain tensor; assign a DTensor "
-                "(e.g. computed from the sharded parameters, or distribute_tensor(value, mesh, [Shard(0)])), "
+                f"(e.g. computed from the sharded parameters, or distribute_tensor(value, mesh, {list(p.sharded.placements)})), "
                 "load the value with load_state_dict (full tensors are accepted), or assign it before fully_shard"
             )
         if value.placements == p.sharded.placements and value.device_mesh == p.sharded.device_mesh:

@@ -38,6 +38,19 @@ ranks contribute equal-size all-gather inputs. Two ranks, parameters ``a`` with
 
 ``a`` is the first 5 rows of the unsharded buffer's first 6 rows; ``b`` the
 next 2.
+
+[Note: Replicated scalars]
+A 0-dim parameter has no dimension to cut: every rank keeps the whole value
+(its sharded parameter is a ``Replicate`` DTensor, as torch's optimizers,
+``clip_grad_norm_`` and DCP expect of a replicated tensor). Its layout cuts the
+shape ``(world_size,)`` instead, one row per rank, so each rank's flat shard
+buffer holds its own copy and the flat buffers, the all-gather and the
+reduce-scatter need nothing of their own for it. The unsharded parameter views
+rank 0's copy. Its gradient is packed into rank 0's row only (zeros in the
+others), so the reduce-scatter leaves the sum on rank 0, and one all-reduce
+over the shard ranks then gives every rank that same sum, bit for bit (a
+reduce-scatter of the gradient into every row would sum each row in another
+order on NCCL), so the copies step alike and stay equal.
 """
 
 from __future__ import annotations
@@ -56,16 +69,24 @@ class ParamLayout:
     world_size: int
 
     def __post_init__(self) -> None:
-        if not self.shape:
-            raise ValueError("a 0-dim parameter has no dimension to shard; reshape it to (1,)")
-        if not 0 <= self.shard_dim < len(self.shape):
+        if not 0 <= self.shard_dim < len(self._cut):
             raise ValueError(f"shard dim {self.shard_dim} is out of range for shape {self.shape}")
         if self.world_size < 1:
             raise ValueError(f"world size must be positive, got {self.world_size}")
 
     @cached_property
+    def replicated(self) -> bool:
+        """A 0-dim parameter, whole on every rank ([Note: Replicated scalars])."""
+        return not self.shape
+
+    @cached_property
+    def _cut(self) -> tuple[int, ...]:
+        """The shape the flat buffers cut: one row per rank for a 0-dim parameter."""
+        return (self.world_size,) if self.replicated else self.shape
+
+    @cached_property
     def dim_size(self) -> int:
-        return self.shape[self.shard_dim]
+        return self._cut[self.shard_dim]
 
     @cached_property
     def chunk_rows(self) -> int:
@@ -75,7 +96,7 @@ class ParamLayout:
     @cached_property
     def row_numel(self) -> int:
         """Elements in one row, i.e. one index along the shard dim."""
-        return math.prod(self.shape) // self.dim_size if self.dim_size else 0
+        return math.prod(self._cut) // self.dim_size if self.dim_size else 0
 
     @cached_property
     def chunk_shape(self) -> tuple[int, ...]:
@@ -106,10 +127,10 @@ class ParamLayout:
         return max(0, min(self.chunk_rows, self.dim_size - rank * self.chunk_rows))
 
     def local_shape(self, rank: int) -> tuple[int, ...]:
-        return self._with_shard_dim(self.rows_on(rank))
+        return self.shape if self.replicated else self._with_shard_dim(self.rows_on(rank))
 
     def _with_shard_dim(self, rows: int) -> tuple[int, ...]:
-        shape = list(self.shape)
+        shape = list(self._cut)
         shape[self.shard_dim] = rows
         return tuple(shape)
 
@@ -146,6 +167,11 @@ class GroupLayout:
     @cached_property
     def shard_numels(self) -> tuple[int, ...]:
         return tuple(p.shard_numel for p in self.params)
+
+    @cached_property
+    def replicated_offsets(self) -> tuple[int, ...]:
+        """Where the replicated (0-dim) parameters sit in the flat shard buffer ([Note: Replicated scalars])."""
+        return tuple(off for p, off in zip(self.params, self.shard_offsets) if p.replicated)
 
     @property
     def unsharded_offsets(self) -> tuple[int, ...]:

@@ -63,6 +63,10 @@ _ELEMENTWISE: frozenset[type] = frozenset({
     torch.optim.Adadelta,
 })
 
+# State entries these classes keep as plain 0-dim tensors for every parameter (counters and schedules);
+# every other tensor entry is shaped like its parameter, a 0-dim one included.
+_SCALAR_STATE: frozenset[str] = frozenset({"step", "mu_product", "eta", "mu"})
+
 _enabled = True
 
 
@@ -93,7 +97,7 @@ def _servable(opt: torch.optim.Optimizer) -> bool:
                     return False
                 continue
             spec = p._spec
-            if group_of(p) is None or type(p._local_tensor) is not torch.Tensor or p.dim() == 0:
+            if group_of(p) is None or type(p._local_tensor) is not torch.Tensor:
                 return False
             if any(isinstance(placement, Partial) for placement in spec.placements):
                 return False
@@ -238,7 +242,7 @@ class _LocalState(dict):  # type: ignore[type-arg]
         if type(current) is DTensor and current._local_tensor is value:
             return  # updated in place (``state["step"] += 1`` assigns the same tensor back)
         owner = self._owner
-        if isinstance(value, torch.Tensor) and value.dim() > 0:
+        if isinstance(value, torch.Tensor) and (value.dim() > 0 or (owner.dim() == 0 and key not in _SCALAR_STATE)):
             # shaped like the parameter: DTensor's dispatch would have returned it sharded like the parameter
             spec = owner._spec
             if value.dtype is not owner.dtype or not value.is_contiguous():

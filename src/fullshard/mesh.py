@@ -74,8 +74,10 @@ class MeshInfo:
     def data_parallel_size(self) -> int:
         return self.shard_size * self.replicate_size
 
-    def placements(self, shard_dim: int) -> tuple[Placement, ...]:
-        return tuple(Shard(shard_dim) if axis == self.shard_axis else Replicate() for axis in range(self.mesh.ndim))
+    def placements(self, shard_dim: int | None) -> tuple[Placement, ...]:
+        """A parameter's placements: ``Shard(shard_dim)`` on the shard axis; None: replicated everywhere."""
+        return tuple(Shard(shard_dim) if axis == self.shard_axis and shard_dim is not None else Replicate()
+                     for axis in range(self.mesh.ndim))
 
 
 def default_device_type() -> str:

@@ -298,6 +298,8 @@ class ShardedParam:
     def local_rows(self, padded_chunk: torch.Tensor) -> torch.Tensor:
         """This rank's real rows inside its padded chunk of a flat buffer."""
         lay = self.layout
+        if lay.replicated:
+            return padded_chunk.view(())
         chunk = padded_chunk.view(lay.chunk_shape)
         return chunk if self._rows_here == lay.chunk_rows else chunk.narrow(lay.shard_dim, 0, self._rows_here)
 
@@ -336,7 +338,9 @@ class ShardedParam:
         if spec is None:
             meta = TensorMeta(torch.Size(self.shape), contiguous_stride(self.shape), local.dtype)
             if self.tp is None:
-                spec = DTensorSpec(self.mesh_info.mesh, self.mesh_info.placements(self.layout.shard_dim), tensor_meta=meta)
+                lay = self.layout
+                placements = self.mesh_info.placements(None if lay.replicated else lay.shard_dim)
+                spec = DTensorSpec(self.mesh_info.mesh, placements, tensor_meta=meta)
             else:
                 spec = DTensorSpec(self.tp.mesh, self.tp.placements, tensor_meta=meta)
             self._specs[local.dtype] = spec
@@ -377,7 +381,8 @@ class ShardedParam:
     def bind_unsharded(self, padded_full: torch.Tensor) -> None:
         """``padded_full``: this parameter's slice of the unsharded buffer."""
         lay = self.layout
-        full = padded_full.view(lay.padded_shape).narrow(lay.shard_dim, 0, lay.dim_size)
+        full = padded_full.view(lay.padded_shape)
+        full = full[0] if lay.replicated else full.narrow(lay.shard_dim, 0, lay.dim_size)  # rank 0's copy
         value = full if self.tp is None else self.tp.unsharded(full)
         self.unsharded = nn.Parameter(value, requires_grad=self.requires_grad)
 
@@ -412,6 +417,8 @@ class ShardedParam:
     def dp_rows(self, local: torch.Tensor) -> torch.Tensor:
         """This rank's rows of the tensor the layout cuts (the full one, or a TP piece)."""
         lay = self.layout
+        if lay.replicated:
+            return local
         rank = self.mesh_info.shard_rank
         return local.narrow(lay.shard_dim, min(rank * lay.chunk_rows, lay.dim_size), lay.rows_on(rank))
 

@@ -225,6 +225,7 @@ class GradReducer:
         self._flags: dict[tuple[Any, ...], torch.Tensor] = {}  # flag rows, by (with gradient..., dtype)
         self._partial_sums: dict[ShardedParam, torch.Tensor] = {}  # HSDP: reduce-scattered, not yet all-reduced
         self._partial_flags: dict[ShardedParam, torch.Tensor] = {}  # their flag counts (one element each)
+        self._replicated_index: dict[tuple[int, ...], torch.Tensor] = {}  # see _share_replicated
         shard_group = group.mesh_info.shard_group
         self._nccl = shard_group is not None and dist.get_backend(shard_group) == "nccl"
 
@@ -442,6 +443,7 @@ class GradReducer:
     def _deliver(self, pending: PendingReduce, reduced: torch.Tensor) -> None:
         """Divide, run the all-reduce hook, cast / offload and assign or add the sharded gradients (current stream)."""
         group, settings, streams = self.group, self.settings, self.group.streams
+        self._share_replicated(pending.layout, reduced)
         _, _, after = self._reduce_op_and_factors()
         if after != 1.0:
             reduced.div_(after)
@@ -493,6 +495,21 @@ class GradReducer:
         else:
             _fire_post_accumulate_hooks(delivered)
 
+    def _share_replicated(self, layout: GroupLayout, reduced: torch.Tensor) -> None:
+        """Give every shard rank the gradient sums of the replicated (0-dim) parameters, which the reduce-scatter
+        left on shard rank 0 ([Note: Replicated scalars] in layout.py): one all-reduce of those elements."""
+        group, offsets = self.group, layout.replicated_offsets
+        if not offsets or group.mesh_info.shard_size == 1:
+            return
+        index = self._replicated_index.get(offsets)
+        if index is None:
+            index = self._replicated_index[offsets] = torch.tensor(offsets, device=reduced.device)
+        sums = reduced.index_select(0, index)
+        shard_group = self.settings.reduce_scatter_group or group.mesh_info.shard_group
+        assert shard_group is not None  # more than one shard rank
+        all_reduce(sums, shard_group, group.streams, group.label, dist.ReduceOp.SUM).wait()
+        reduced.index_copy_(0, index, sums)
+
     def discard(self) -> None:
         """Drop gradients not yet reduced (after a failed iteration)."""
         for p in self.group.params:
@@ -533,6 +550,8 @@ def pack_rank_major(layout: GroupLayout, grads: list[torch.Tensor], out: torch.T
     row 0 is ``a0 a1 b0``, row 1 ``a2 __ b1`` (``__`` = zero padding).
     """
     world_size = layout.world_size
+    if layout.replicated_offsets:
+        grads = [_in_first_row(g, world_size) if lay.replicated else g for g, lay in zip(grads, layout.params)]
     nonempty = [(g, lay, off) for g, lay, off in zip(grads, layout.params, layout.shard_offsets) if lay.shard_numel]
     if not nonempty:
         return
@@ -546,3 +565,11 @@ def pack_rank_major(layout: GroupLayout, grads: list[torch.Tensor], out: torch.T
             padded.narrow(lay.shard_dim, 0, lay.dim_size).copy_(grad)
         dst = out[:, off : off + lay.shard_numel].view(world_size, *lay.chunk_shape)
         dst.copy_(rank_axis_view(padded.contiguous(), lay.shard_dim, world_size))
+
+
+def _in_first_row(grad: torch.Tensor, world_size: int) -> torch.Tensor:
+    """A 0-dim gradient as its rows of the reduce-scatter input: itself for rank 0, zeros for the others
+    ([Note: Replicated scalars] in layout.py)."""
+    rows = grad.new_zeros(world_size)
+    rows[0] = grad
+    return rows
