@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import os
 import tempfile
+import time
 from typing import Any
 
 import pytest
@@ -16,8 +17,10 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
+    get_optimizer_state_dict,
     get_state_dict,
     set_model_state_dict,
+    set_optimizer_state_dict,
     set_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
@@ -284,3 +287,142 @@ def _refused(rank: int, world_size: int) -> None:
 
 def test_zero_dim_tensor_parallel_parameter_is_refused() -> None:
     run_ranks(4, _refused)
+
+
+def _copies_made_equal(rank: int, world_size: int) -> None:
+    """Copies set differently per rank (an initialisation drawn per rank, as DTensor's random ops on CPU do after
+    uneven shards; an edit written back on one rank only) take shard rank 0's, the one the forward uses, at the
+    next all-gather, so state dicts and checkpoints agree with the forward."""
+    with torch.device("meta"):
+        model = Tempered()
+    shard_tempered("plain", model)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().copy_(torch.rand(p.to_local().shape) - 0.5) if p.dim() else p.to_local().fill_(rank + 1.0)
+    with torch.no_grad():  # (an inference forward leaves every group sharded)
+        out = model(torch.ones(2, 7))
+    assert_replicated_alike(model)
+    assert model.temperature.to_local().item() == 1.0
+    with fullshard.summon_full_params(model, writeback=True), torch.no_grad():
+        if rank == 1:
+            model.temperature.fill_(5.0)
+    with torch.no_grad():
+        torch.testing.assert_close(model(torch.ones(2, 7)), out)
+    assert_replicated_alike(model)
+    assert model.temperature.to_local().item() == 1.0, "rank 0's copy, as the forward saw it"
+
+
+def test_replicated_copies_are_made_equal() -> None:
+    run_ranks(2, _copies_made_equal)
+
+
+class MyAdam(torch.optim.Adam):
+    """A subclass: its step runs through DTensor's dispatch."""
+
+
+def _optimizer_state_loads(rank: int, world_size: int) -> None:
+    """torch's set_optimizer_state_dict (full, from rank 0 too) makes every 0-dim state tensor a plain one; the state
+    of a 0-dim parameter comes back as Replicate DTensors (counters plain), so a step through DTensor works.
+    fullshard's load_full_optim_state_dict keeps the counters plain."""
+    for make in (torch.optim.Adam, MyAdam):
+        for load in ("dcp_full", "dcp_broadcast", "fullshard"):
+            ref, model, opts = _reference_and_sharded(functools.partial(make, lr=0.05))
+            batches = random_batches(4, world_size, regression_batch)
+            train(ref, batches, mse_loss, rank=None, optim=opts[0])
+            train(model, batches[:2], mse_loss, rank=rank, optim=opts[1])
+            if load == "fullshard":
+                full = fullshard.full_optim_state_dict(model, opts[1], rank0_only=False)
+                fresh = make(model.parameters(), lr=0.05)
+                fullshard.load_full_optim_state_dict(model, fresh, full)
+            else:
+                options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=load == "dcp_broadcast")
+                full = get_optimizer_state_dict(model, opts[1], options=options)
+                fresh = make(model.parameters(), lr=0.05)
+                set_optimizer_state_dict(model, fresh, full if rank == 0 or load == "dcp_full" else {}, options=options)
+            for p in (model.temperature, model.blocks[0].gate):
+                state = fresh.state[p]
+                assert all(isinstance(state[k], DTensor) for k in ("exp_avg", "exp_avg_sq")), (make, load, state)
+                assert type(state["step"]) is torch.Tensor, (make, load, state)
+            train(model, batches[2:], mse_loss, rank=rank, optim=fresh)
+            assert_trained_alike(ref, model)
+
+
+def test_optimizer_state_of_scalars_loads() -> None:
+    run_ranks(2, _optimizer_state_loads)
+
+
+class DelayedGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, seconds: float) -> torch.Tensor:
+        ctx.seconds = seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+class AllReduceScatter:
+    """A reduce-scatter as an in-place all-reduce of its input (this rank's row is the output): unlike gloo's
+    reduce-scatter, its work reports completion as soon as it has completed."""
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if len(size) == 2:
+            self.inp = torch.empty(size, dtype=dtype, device=device)
+            return self.inp
+        return self.inp[dist.get_rank()]
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
+                 async_op: bool = False) -> Any:
+        return dist.all_reduce(input_tensor, op=op, group=group, async_op=async_op)
+
+
+class SlowBlock(GatedBlock):
+    delay = 0.0  # seconds added to this block's backward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.gate * torch.tanh(DelayedGrad.apply(self.lin(x), self.delay))
+
+
+class SlowBackward(nn.Module):
+    """Three gated blocks; ``between`` seconds added to the backward between two blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(SlowBlock(8) for _ in range(3))
+        self.between = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            x = block(x)
+            if i < len(self.blocks) - 1:
+                x = DelayedGrad.apply(x, self.between)
+        return x
+
+
+def _in_order(rank: int, world_size: int) -> None:
+    """The all-reduce of replicated gradients goes out at the same point on every rank, also where a finished
+    reduce-scatter is noticed early on one rank only (rank 1's backward is slower, its last block's most)."""
+    torch.manual_seed(0)
+    model = SlowBackward()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    for block in model.blocks:
+        block.set_custom_reduce_scatter(AllReduceScatter())
+    if rank == 1:
+        model.blocks[2].delay, model.between = 0.2, 0.05
+    for _ in range(3):  # (a DivergenceError when the all-reduce went out early on rank 0)
+        model.zero_grad()
+        model(torch.randn(4, 8)).sum().backward()
+    grads = [block.gate.grad.to_local().item() for block in model.blocks]
+    every = [None] * world_size
+    dist.all_gather_object(every, grads)
+    assert every[0] == every[1], every
+
+
+def test_replicated_gradients_go_out_in_order() -> None:
+    run_ranks(2, _in_order)

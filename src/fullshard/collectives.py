@@ -365,6 +365,16 @@ def all_reduce(
     return _ordered(pending, streams)
 
 
+def broadcast(tensor: torch.Tensor, group: dist.ProcessGroup, streams: CommStreams, label: str) -> PendingCollective:
+    """``tensor`` as the first rank of ``group`` holds it, in place on every rank (issued on the current stream)."""
+    with profiled("broadcast", label):
+        ticket = streams.issued("broadcast", label, tensor.numel(), group)
+        work = dist.broadcast(tensor, group_src=0, group=group, async_op=True)
+    pending = PendingCollective(work, tensor, (tensor,), what=f"broadcast of group {label!r}", group=group,
+                                ticket=ticket)
+    return _ordered(pending, streams)
+
+
 def _ordered(pending: PendingCollective, streams: CommStreams) -> PendingCollective:
     """Accelerators: order the current (side) stream after the collective now and record ``done`` there, so
     the work queued after it, and whoever waits for ``done``, see its result. CPU: left in flight."""

@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fullshard.codec import Codec
-from fullshard.collectives import CommStreams, PendingCollective, all_gather, all_gather_packed, unpack
+from fullshard.collectives import CommStreams, PendingCollective, all_gather, all_gather_packed, broadcast, unpack
 from fullshard.errors import MetaParameterError
 from fullshard.layout import GroupLayout, ParamLayout
 from fullshard.mesh import MeshInfo
@@ -126,6 +126,9 @@ class ParamGroup:
         self.registrations_seen = -1
         # Registers the state dict hooks on modules that start holding a parameter of this group (set by fully_shard).
         self.on_new_sites: Any = None
+        # Whether the copies of the replicated (0-dim) parameters were made equal since the flat shard buffer
+        # was filled or written from outside (see sync_replicas).
+        self.replicas_synced = False
 
         # Parameters on the meta device (deferred initialisation) get a meta flat shard
         # buffer; `FSDPModule.to_empty()` / `_apply` re-link them to real memory.
@@ -418,6 +421,7 @@ class ParamGroup:
             for p, loc, chunk in zip(self.params, locals_, chunks)
         ):
             return  # linked already (a group kept unsharded stays so)
+        self.replicas_synced = False
         self.reshard()
         self.streams.shards_written()
         dtype, device = locals_[0].dtype, locals_[0].device
@@ -523,14 +527,16 @@ class ParamGroup:
 
     def unshard(self, async_op: bool = False) -> None:
         """Issue the all-gather (SHARDED[_POST_FORWARD] -> UNSHARDING); with ``async_op=False`` also wait."""
-        if self.state is ShardedState.SHARDED and self.codecs is not None:
+        if self.state is ShardedState.SHARDED:
             self.check_materialized()
+            if not self.replicas_synced:
+                self.sync_replicas()
+        if self.state is ShardedState.SHARDED and self.codecs is not None:
             self._pending_all_gather = all_gather_packed(
                 self._encode, self.device, self.mesh_info.shard_group, self.streams, self.label, self.all_gather_comm
             )
             self.state = ShardedState.UNSHARDING
         elif self.state is ShardedState.SHARDED:
-            self.check_materialized()
             self._pending_layout = self.layout
             self._pending_all_gather = all_gather(
                 self.flat_shard, self.compute_dtype, self.device, self.mesh_info.shard_group, self.streams, self.label,
@@ -546,6 +552,27 @@ class ParamGroup:
             self.state = ShardedState.UNSHARDING
         if not async_op:
             self.wait_for_unshard()
+
+    @torch.no_grad()
+    def sync_replicas(self) -> None:
+        """Every rank's copy of each replicated (0-dim) parameter takes shard rank 0's, the one the forward uses
+        ([Note: Replicated scalars] in layout.py): one broadcast per such parameter, at the first all-gather and
+        the first after the flat shard buffer was made anew (``to_empty``) or written back from full parameters.
+        Values set per rank in between (a random initialisation that drew other numbers on each rank, as
+        DTensor's does on CPU after uneven shards) would otherwise train on as different copies."""
+        self.replicas_synced = True
+        if self.mesh_info.shard_size == 1:
+            return
+        group = self.mesh_info.shard_group
+        assert group is not None
+        for p in self.params:
+            if p.layout.replicated:
+                local = inner_tensor(p.sharded._local_tensor)
+                value = local.to(self.device)  # itself unless offloaded: collectives run on the mesh's device
+                broadcast(value, group, self.streams, self.label).wait()
+                if value is not local:
+                    local.copy_(value)
+        self.streams.shards_written()
 
     def wait_for_unshard(self) -> None:
         """UNSHARDING -> UNSHARDED: wait, reorder rank-major into the unsharded buffer."""
@@ -697,6 +724,7 @@ class ParamGroup:
                 current = site.module._parameters[site.name]
                 if current is not None:
                     p.adopt(current.detach())
+            self.replicas_synced = False
             self.streams.shards_written()
 
     def end_summon(self) -> None:

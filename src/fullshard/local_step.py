@@ -65,7 +65,7 @@ _ELEMENTWISE: frozenset[type] = frozenset({
 
 # State entries these classes keep as plain 0-dim tensors for every parameter (counters and schedules);
 # every other tensor entry is shaped like its parameter, a 0-dim one included.
-_SCALAR_STATE: frozenset[str] = frozenset({"step", "mu_product", "eta", "mu"})
+SCALAR_STATE: frozenset[str] = frozenset({"step", "mu_product", "eta", "mu"})
 
 _enabled = True
 
@@ -115,6 +115,10 @@ def pre_step(
     opt: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any],
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     """The global optimizer step pre-hook (registered at the first ``fully_shard``): a stand-in for ``self``."""
+    if "_fullshard_seen" not in opt.__dict__ and not torch.compiler.is_compiling():
+        opt.__dict__["_fullshard_seen"] = True
+        replicate_scalar_state(opt)
+        opt.register_load_state_dict_post_hook(replicate_scalar_state)
     if not _enabled or type(opt) not in _ELEMENTWISE or torch.compiler.is_compiling():
         return None
     if args[0] is not opt or len(args) > 1 or kwargs.get("closure") is not None:
@@ -124,6 +128,22 @@ def pre_step(
     if not any(type(p) is DTensor and group_of(p) is not None for group in opt.param_groups for p in group["params"]):
         return None  # nothing of fullshard's: leave the optimizer alone
     return (_LocalStep(opt).stand_in(), *args[1:]), kwargs
+
+
+def replicate_scalar_state(opt: torch.optim.Optimizer) -> None:
+    """Make state entries of fullshard's 0-dim parameters that are plain 0-dim tensors, counters aside, ``Replicate``
+    DTensors like their parameter, as a step through DTensor makes them. torch's distributed state-dict loading
+    (``set_optimizer_state_dict``) turns every 0-dim tensor into a plain one, taking it for a counter; a step
+    through DTensor then fails on it. Run at an optimizer's first step and after each of its ``load_state_dict``."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if type(p) is not DTensor or p.dim() != 0 or group_of(p) is None:
+                continue
+            state = opt.state.get(p, {})
+            for key, value in state.items():
+                if type(value) is torch.Tensor and value.dim() == 0 and key not in SCALAR_STATE:
+                    local = value.to(p._local_tensor.device)
+                    state[key] = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False)
 
 
 class _LocalStep:
@@ -242,7 +262,7 @@ class _LocalState(dict):  # type: ignore[type-arg]
         if type(current) is DTensor and current._local_tensor is value:
             return  # updated in place (``state["step"] += 1`` assigns the same tensor back)
         owner = self._owner
-        if isinstance(value, torch.Tensor) and (value.dim() > 0 or (owner.dim() == 0 and key not in _SCALAR_STATE)):
+        if isinstance(value, torch.Tensor) and (value.dim() > 0 or (owner.dim() == 0 and key not in SCALAR_STATE)):
             # shaped like the parameter: DTensor's dispatch would have returned it sharded like the parameter
             spec = owner._spec
             if value.dtype is not owner.dtype or not value.is_contiguous():

@@ -119,9 +119,12 @@ class PendingReduce:
     missing: frozenset[int] = frozenset()  # positions in `params` that this rank packed as zeros
 
     def reduce_scatter_done(self) -> bool:
-        """Whether the host may take the reduce-scatter as finished without waiting (CPU collectives only)."""
+        """Whether the host may take the reduce-scatter as finished without waiting (CPU collectives only). Never
+        for a layout with replicated parameters: delivering it issues an all-reduce on the shard group, which must
+        not go out at a time that depends on when the reduce-scatter finished."""
         work = self.reduce_scatter.work
-        return not self.reducer.group.streams.on_accelerator and (work is None or work.is_completed())
+        return not self.reducer.group.streams.on_accelerator and (work is None or work.is_completed()) \
+            and not self.layout.replicated_offsets
 
     def release_input(self) -> None:
         """Let the reduce-scatter input go: the compute stream waits for the reduce-scatter (CPU: advance past it)."""

@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from fullshard.errors import expect_bool, expect_module, expect_optimizer
 from fullshard.group import ParamGroup, group_of
+from fullshard.local_step import SCALAR_STATE
 from fullshard.param import ShardedParam, full_tensor
 from fullshard.runtime import states_in, take_over_changes
 
@@ -223,16 +224,17 @@ def load_full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, f
     state: dict[int, dict[str, Any]] = {}
     for name, param_state in full_osd["state"].items():
         param = by_name[name]
-        state[position[name]] = {k: _shard_like(managed.get(param), v) for k, v in param_state.items()}
+        state[position[name]] = {k: _shard_like(managed.get(param), k, v) for k, v in param_state.items()}
     groups = [{**g, "params": [position[n] for n in g["params"]]} for g in full_osd["param_groups"]]
     optim.load_state_dict({"state": state, "param_groups": groups})
 
 
-def _shard_like(sharded: ShardedParam | None, value: Any) -> Any:
-    """A full tensor shaped like a sharded parameter becomes a DTensor sharded like it; other tensors are copied."""
+def _shard_like(sharded: ShardedParam | None, key: str, value: Any) -> Any:
+    """A full tensor shaped like a sharded parameter becomes a DTensor sharded like it; other tensors (a counter,
+    also beside a 0-dim parameter) are copied."""
     if not isinstance(value, torch.Tensor):
         return value
-    if sharded is None or tuple(value.shape) != sharded.shape:
+    if sharded is None or tuple(value.shape) != sharded.shape or (not sharded.shape and key in SCALAR_STATE):
         return value.detach().clone()
     local = sharded.local_part(value).to(device=sharded.sharded.to_local().device)
     return sharded.as_dtensor_of(local.clone())
