@@ -191,7 +191,13 @@ class Case:
         must not raise, and are compared with FSDP2 where it trains the case. HSDP partial sums kept in bf16 over
         micro-batches (see ``fsdp2_supported``) with AdamW and such a LayerNorm likewise (seed 29957: 0.0127 from
         the reference at step 3, just outside the bf16 tolerance; it passes in fp32 at 2e-4, and in bf16 with SGD,
-        without the LayerNorm, with an fp32 reduction or without accumulation)."""
+        without the LayerNorm, with an fp32 reduction or without accumulation). Quantized communication with two
+        such LayerNorms: none, the amplifications compound already in the first step's gradients (seed 30771,
+        widths (5, 3, 5, 2, 5): pre.weight's gradient, 0.908 at most, 0.725 apart; it passes without quantized
+        communication, without the LayerNorms, or with either narrow layer as wide as the others; 88 cases in
+        seeds 0-31499, the other 87 passed)."""
+        if self.quantized and sum(self.normed(a, b) and a < b for a, b in zip(self.widths, self.widths[1:])) >= 2:
+            return 0
         if self.quantized and (self.optim in ("adamw", "fs_adamw", "muon") or self._norm_after_narrower_layer):
             return 1
         if self.mp != "none" and self._norm_after_narrower_layer and (

@@ -38,7 +38,8 @@ stay fullshard's), a parameter or state tensor sharded differently from its
 parameter, a local tensor that is a tensor subclass. ``foreach`` left at None
 resolves the same way on the local tensors as on the DTensors (torch counts DTensor among
 the types its foreach kernels take), so the same kernels run either way.
-``fullshard.optim.local_steps(False)`` turns it off. Three steps run only here: ``Rprop``
+``fullshard.optim.local_steps(False)`` turns it off. The same hook also keeps the state of a
+0-dim (replicated) parameter shaped like it, whatever loaded it (``replicate_scalar_state``). Three steps run only here: ``Rprop``
 (it masks its gradient in place) and fused ``SGD`` and ``Adagrad`` (DTensor has no
 sharding rule for their kernels) raise on the DTensor path, as on FSDP2's parameters.
 """
