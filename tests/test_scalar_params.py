@@ -281,8 +281,9 @@ def _refused(rank: int, world_size: int) -> None:
     mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("dp", "tp"))
     module = nn.Module()
     module.w = nn.Parameter(distribute_tensor(torch.tensor(1.0), mesh["tp"], [Replicate()]))
-    with pytest.raises(NotImplementedError, match="parameter 'w' is 0-dim and a DTensor; fully_shard replicates"):
+    with pytest.raises(NotImplementedError, match="parameter 'w' is 0-dim and a DTensor; fully_shard replicates") as err:
         fully_shard(module, mesh=mesh["dp"])
+    assert isinstance(err.value, ValueError)  # what FSDP2 raises for any 0-dim parameter
 
 
 def test_zero_dim_tensor_parallel_parameter_is_refused() -> None:

@@ -345,7 +345,8 @@ def _check_params(
         if isinstance(p, DTensor):
             _check_tensor_parallel(p, fqn, mesh_info)
         if p.dim() == 0 and (isinstance(p, DTensor) or hasattr(p, "fsdp_pre_all_gather")):
-            raise NotImplementedError(
+            # (a ValueError too: what torch's FSDP2 raises for every 0-dim parameter)
+            raise UnsupportedError(
                 f"parameter {fqn!r} is 0-dim and a {type(p).__name__}; fully_shard replicates plain 0-dim "
                 "parameters only (a tensor-parallel or all-gather-extension one needs at least one dimension)"
             )
