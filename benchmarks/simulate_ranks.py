@@ -72,6 +72,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPo
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import fullshard
+from fullshard.cli.bench import warm_device
 from fullshard.gpt import GPT, GPTConfig, lm_loss
 
 
@@ -272,18 +273,6 @@ def profile_step(trainee: Trainee, run: Run, tokens: torch.Tensor, dev: torch.de
     main, host = split(prof.events(), dev.type == "cuda")
     run.profile.append(main)
     run.profile_host.append(host)
-
-
-def warm_device(cfg: GPTConfig, dev: torch.device, dtype: torch.dtype) -> None:
-    """One step of a plain one-block model, so that library workspaces (cuBLAS, one per thread and stream) exist
-    before any implementation's resident memory is measured, and neither is charged for them."""
-    if dev.type != "cuda":
-        return
-    with torch.device(dev):
-        model = GPT(replace(cfg, n_layers=1, seq_len=min(cfg.seq_len, 256))).to(dtype)
-    tokens = torch.randint(0, cfg.vocab_size, (1, model.cfg.seq_len + 1), device=dev)
-    lm_loss(model, tokens).backward()
-    synchronize(dev)
 
 
 def simulate(preset: Preset, world_size: int, dev: torch.device, args: argparse.Namespace) -> dict[str, Run]:

@@ -5,7 +5,10 @@ Steps rotate through the implementations so none always runs first; every
 step starts after a barrier and its time is the slowest rank's. Reported per
 implementation: median step time and its ratio to fullshard's, training state
 (parameters + gradients + optimizer state) per rank, peak device memory (CUDA
-only), and bytes each rank sends per step. Bytes are counted from the
+only: what the implementation keeps between steps, measured as allocator deltas
+when it is built and across its first step, plus the largest rise of allocated
+memory within one of its steps, so the other models living beside it are left
+out), and bytes each rank sends per step. Bytes are counted from the
 collectives' sizes with ring-algorithm costs: an all-gather or reduce-scatter
 of N bytes moves N(W-1)/W per rank, an all-reduce twice that.
 
@@ -26,6 +29,7 @@ import resource
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -110,6 +114,22 @@ def build(name: str, cfg: GPTConfig, device: torch.device, counter: ByteCounter,
     return model
 
 
+def allocated(device: torch.device) -> int:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
+def warm_device(cfg: GPTConfig, device: torch.device, dtype: torch.dtype = torch.float32) -> None:
+    """One step of a plain one-block model, so that library workspaces (cuBLAS keeps one per thread and stream)
+    exist before any implementation is measured and none of them is charged for them. CPU: nothing to do."""
+    if device.type != "cuda":
+        return
+    with torch.device(device):
+        model = GPT(replace(cfg, n_layers=1, seq_len=min(cfg.seq_len, 256))).to(dtype)
+    tokens = torch.randint(0, cfg.vocab_size, (1, model.cfg.seq_len + 1), device=device)
+    lm_loss(model, tokens).backward()
+    torch.cuda.synchronize(device)
+
+
 def make_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
     """torch's AdamW: its default implementation, or ``--foreach off`` (one kernel per parameter)."""
     foreach = None if getattr(args, "foreach", "default") == "default" else False
@@ -121,11 +141,14 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     cfg = GPTConfig(dim=args.dim, n_heads=args.heads, hidden=4 * args.dim, n_layers=args.layers, seq_len=args.seq_len)
     counter = ByteCounter()
+    warm_device(cfg, device, torch.bfloat16 if getattr(args, "dtype", "fp32") == "bf16" else torch.float32)
     runs: dict[str, dict[str, Any]] = {}
     for name in args.implementations:
+        before = allocated(device)
         model = build(name, cfg, device, counter, args)
         runs[name] = {"model": model, "opt": make_optimizer(model, args), "times": [], "bytes": [],
-                      "peak": 0, "state": 0, "params": 0, "losses": [], "phases": []}
+                      "resident": allocated(device) - before, "peak_rise": 0, "state": 0, "params": 0,
+                      "losses": [], "phases": []}
     gen = torch.Generator().manual_seed(1 + rank)
     for step in range(args.warmup + args.steps):
         tokens = torch.randint(0, cfg.vocab_size, (args.batch_size, cfg.seq_len + 1), generator=gen).to(device)
@@ -136,6 +159,7 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
             if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
+            at_start = allocated(device)
             dist.barrier()
             counter.bytes = 0.0
             cpu_start = _cpu_seconds()
@@ -152,7 +176,9 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
             run["opt"].zero_grad()
             if cuda:
                 torch.cuda.synchronize()
-                run["peak"] = max(run["peak"], torch.cuda.max_memory_allocated())
+                run["peak_rise"] = max(run["peak_rise"], torch.cuda.max_memory_allocated() - at_start)
+                if step == 0:  # lazy initialisation and the optimizer state: kept from now on
+                    run["resident"] += allocated(device) - at_start
             cpu = [b - a for a, b in zip(cpu_start, _cpu_seconds())]
             elapsed = torch.tensor(time.perf_counter() - start, device=device)  # NCCL reduces device tensors
             sent = counter.bytes
@@ -182,7 +208,7 @@ def report(runs: dict[str, dict[str, Any]], cfg: GPTConfig, world_size: int, dev
     base = statistics.median(runs[first]["times"])
     for name, run in runs.items():
         median = statistics.median(run["times"])
-        peak = f"{run['peak'] / 2**20:.1f}" if run["peak"] else "n/a"
+        peak = f"{(run['resident'] + run['peak_rise']) / 2**20:.1f}" if device.type == "cuda" else "n/a"
         diff = max(abs(a - b) for a, b in zip(run["losses"], runs[first]["losses"]))
         lines.append(f"{name:12s} {median * 1e3:9.1f} {median / base:14.3f} {run['params']:14d} {run['state'] / 2**20:15.2f} "
                      f"{peak:>9s} {statistics.median(run['bytes']) / 2**20:14.2f} {diff:14.2e}")
