@@ -120,6 +120,7 @@ class Case:
     reassign_mid_step: bool = False  # with reassign_later and accumulation: between the first two micro-batches
     strided: bool = False  # the first block's weight is a transpose (non-contiguous), as it is when sharded
     scalar: bool = False  # 0-dim parameters: a gate in block 0 and a temperature on the root (replicated)
+    uneven1: bool = False  # with dim1: every 2-D weight on dim 1, its columns dividing among the ranks or not
 
     def describe(self) -> str:
         plain = Case(self.seed)
@@ -153,7 +154,7 @@ class Case:
         gradient apart by a unit of those terms, so only the reference compares. HSDP partial sums kept in bf16
         over micro-batches likewise (seed 6319: both within 1.5e-3 of the reference, 1.7e-3 apart)."""
         return (self.tie in ("none", "within") and not self.zero_numel and not self.strided and not self.reassign_later
-                and not self.scalar
+                and not self.scalar and not self.uneven1
                 and self.branch != "ranks" and not self.mixed_dtype and self.optim in ("sgd", "adamw")
                 and self.clip != "fullshard" and not self.quantized
                 and not self.ema and self.resume_ws == 0 and self.user in ("none", "reentrant")
@@ -274,7 +275,8 @@ def draw(seed: int) -> Case:
         kw.update(tie=rng.choice(["none", "within"]), zero_numel=False, quantized=False, ema=False, mixed_dtype=False,
                   branch=rng.choice(["none", "steps", "param_steps"]), optim=rng.choice(["sgd", "adamw"]),
                   clip=rng.choice(["none", "torch"]))
-        return _draw_scalar(_draw_strided(_draw_later(_draw_controls(_draw_start(_draw_user(_draw_more(Case(seed, **kw))))))))
+        return _draw_uneven(_draw_scalar(_draw_strided(_draw_later(_draw_controls(_draw_start(_draw_user(_draw_more(
+            Case(seed, **kw)))))))))
     if rng.random() < 0.12:
         kw["resume_ws"] = rng.choice([w for w in (1, 2, 4) if w != ws])
         kw["hsdp"], kw["reshard"] = False, "true" if kw["reshard"] == "int" else kw["reshard"]
@@ -282,7 +284,8 @@ def draw(seed: int) -> Case:
         kw["steps"] = max(kw["steps"], 3)
         kw["eval_pass"] = "all" if kw["eval_pass"] == "replica" else kw["eval_pass"]
         kw["scheduler"] = kw["ema"] = False  # their state is not part of the checkpoint
-    return _draw_scalar(_draw_strided(_draw_later(_draw_controls(_draw_start(_draw_user(_draw_more(Case(seed, **kw))))))))
+    return _draw_uneven(_draw_scalar(_draw_strided(_draw_later(_draw_controls(_draw_start(_draw_user(_draw_more(
+            Case(seed, **kw)))))))))
 
 
 def _draw_strided(case: Case) -> Case:
@@ -300,6 +303,13 @@ def _draw_scalar(case: Case) -> Case:
     refuses_ties = case.quantized or case.mixed_dtype or case.extension or case.reshard == "int"
     scalar = not case.fsdp2_supported and not case.tp and not (case.tie == "after" and refuses_ties)
     return dataclasses.replace(case, scalar=rng.random() < 0.25 and scalar)
+
+
+def _draw_uneven(case: Case) -> Case:
+    """Dim-1 sharding of weights whose columns do not divide among the ranks ([Note: Uneven cuts off dim 0] in
+    layout.py), from a stream of its own; not where torch's FSDP2 is compared (it raises)."""
+    rng = random.Random(f"uneven-{case.seed}")
+    return dataclasses.replace(case, uneven1=case.dim1 and not case.fsdp2_supported and rng.random() < 0.5)
 
 
 def _draw_later(case: Case) -> Case:
@@ -642,7 +652,8 @@ def shard(case: Case, model: Net, impl: str) -> None:
         from torch.distributed.tensor import Shard
 
         shard_size = 2 if case.hsdp else ws  # this run's (a resumed run may shard other weights on dim 1)
-        kw["shard_placement_fn"] = lambda p: Shard(1) if p.ndim == 2 and p.shape[1] % shard_size == 0 else None
+        kw["shard_placement_fn"] = lambda p: Shard(1) if p.ndim == 2 and (
+            case.uneven1 or p.shape[1] % shard_size == 0) else None
     inner = dict(kw)
     if case.reshard == "false":
         inner["reshard_after_forward"] = False

@@ -61,11 +61,6 @@ def _fsdp2_exceptions(rank: int, world_size: int) -> None:
         fully_shard(linear, shard_placement_fn=lambda p: Shard(-3))
     _assert_untouched(linear, before)
 
-    # Uneven sharding on a dim other than 0: NotImplementedError (and ValueError).
-    with pytest.raises(NotImplementedError, match="FSDP does not support uneven sharding on dim 1") as uneven:
-        fully_shard(nn.Linear(3, 4), shard_placement_fn=lambda p: Shard(1) if p.dim() == 2 else None)
-    assert isinstance(uneven.value, ValueError)
-
     with torch.device("meta"):
         never = MLP()
     fully_shard(never)

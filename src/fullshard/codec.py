@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from fullshard.mesh import MeshInfo
-from fullshard.param import ShardedParam, contiguous_stride, rank_axis_view
+from fullshard.param import ShardedParam, contiguous_stride, rank_axis_view, slots_to_full, unsharded_view
 from fullshard.policy import MixedPrecisionPolicy
 
 
@@ -109,6 +109,9 @@ class Codec:
         """Copy ``(world_size, shard_numel)`` chunks into this parameter's slice of the unsharded buffer."""
         lay = self.param.layout
         world_size = rank_major.shape[0]
+        if lay.compact:
+            slots_to_full(rank_major, unsharded_view(region, lay), lay)
+            return
         full = region.view(lay.padded_shape)
         rank_axis_view(full, lay.shard_dim, world_size).copy_(rank_major.view(world_size, *lay.chunk_shape))
 

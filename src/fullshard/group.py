@@ -19,7 +19,17 @@ from fullshard.collectives import CommStreams, PendingCollective, all_gather, al
 from fullshard.errors import MetaParameterError
 from fullshard.layout import GroupLayout, ParamLayout
 from fullshard.mesh import MeshInfo
-from fullshard.param import ShardedParam, full_tensor, inner_tensor, rank_axis_view, registrations, sharded_axes
+from fullshard.param import (
+    ShardedParam,
+    full_tensor,
+    inner_tensor,
+    rank_axis_view,
+    registrations,
+    rows_to_slot,
+    sharded_axes,
+    slots_to_full,
+    unsharded_view,
+)
 from fullshard.reduce import GradReducer
 
 
@@ -622,6 +632,9 @@ class ParamGroup:
         regions = self.split(self.unsharded_buffer, self.layout, unsharded=True)
         chunks = self.split(pf.buffer, pf.layout)
         for p, region, chunk, lay in zip(self.params, regions, chunks, pf.layout.params):
+            if lay.compact or p.layout.compact:
+                rows_to_slot(unsharded_view(region, p.layout), chunk, lay, pf.rank)
+                continue
             full = region.view(p.layout.padded_shape).narrow(lay.shard_dim, 0, lay.padded_shape[lay.shard_dim])
             chunk.view(lay.chunk_shape).copy_(rank_axis_view(full, lay.shard_dim, lay.world_size)[pf.rank])
         self.streams.shards_written()  # backward's all-gather sends this buffer, written on the compute stream
@@ -679,6 +692,9 @@ class ParamGroup:
             torch.split_with_sizes_copy(rank_major, self.layout.shard_numels, dim=1, out=self._rank_major_regions)
             return
         for p, region, lay, off in zip(self.params, self._regions, src.params, src.shard_offsets):
+            if lay.compact or p.layout.compact:
+                slots_to_full(rank_major[:, off : off + lay.shard_numel], unsharded_view(region, p.layout), lay)
+                continue
             chunks = rank_major[:, off : off + lay.shard_numel].view(world_size, *lay.chunk_shape)
             full = region.view(p.layout.padded_shape).narrow(lay.shard_dim, 0, lay.padded_shape[lay.shard_dim])
             rank_axis_view(full, lay.shard_dim, world_size).copy_(chunks)

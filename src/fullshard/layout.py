@@ -51,6 +51,21 @@ others), so the reduce-scatter leaves the sum on rank 0, and one all-reduce
 over the shard ranks then gives every rank that same sum, bit for bit (a
 reduce-scatter of the gradient into every row would sum each row in another
 order on NCCL), so the copies step alike and stay equal.
+
+[Note: Uneven cuts off dim 0]
+Cut on dim 0, a rank's real rows are the first elements of its padded chunk
+and a parameter is the first elements of its padded full tensor, so both stay
+contiguous. Cut on another dim into chunks that do not divide it (torch's FSDP2
+refuses these), the padding would sit inside every row instead: a (3, 5)
+weight on dim 1 over 2 ranks pads each row to 6 columns, and the partial rank's
+(3, 2) rows and the (3, 5) unsharded parameter would be strided views. Such a
+layout is *compact*: each rank's rows are stored contiguously at the start of
+its slot (the padding is the slot's tail), and the unsharded parameter is the
+contiguous start of its region of the unsharded buffer. Moving rows between
+slots and the full tensor then takes one copy per rank (``slots_to_full`` and
+``full_to_slots`` in param.py) instead of one strided copy; every other path
+(flat buffers, collectives, elementwise optimizer steps, norms over the flat
+gradients) sees the same slots and zero padding as for any layout.
 """
 
 from __future__ import annotations
@@ -119,6 +134,12 @@ class ParamLayout:
     @cached_property
     def is_even(self) -> bool:
         return self.dim_size % self.world_size == 0
+
+    @cached_property
+    def compact(self) -> bool:
+        """Cut unevenly on a dim other than 0: rows stored at the start of each slot ([Note: Uneven cuts off
+        dim 0])."""
+        return self.shard_dim != 0 and not self.is_even and not self.replicated
 
     def rows_on(self, rank: int) -> int:
         """Real (unpadded) rows that ``rank`` owns: a full chunk, a partial one, or 0."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass
 from functools import cached_property
@@ -71,6 +72,48 @@ def rank_axis_view(padded_full: torch.Tensor, shard_dim: int, world_size: int) -
     shape = padded_full.shape
     chunk = shape[shard_dim] // world_size
     return padded_full.view(*shape[:shard_dim], world_size, chunk, *shape[shard_dim + 1 :]).movedim(shard_dim, 0)
+
+
+def slot_rows(slot: torch.Tensor, lay: ParamLayout, rank: int) -> torch.Tensor:
+    """``rank``'s real rows in its slot (padded chunk): the slot's first elements, on dim 0 and in a compact
+    layout ([Note: Uneven cuts off dim 0] in layout.py) as in an even one."""
+    shape = lay.local_shape(rank)
+    return slot.view(-1).narrow(0, 0, math.prod(shape)).view(shape)
+
+
+def full_rows(full: torch.Tensor, lay: ParamLayout, rank: int) -> torch.Tensor:
+    """``rank``'s rows of a full (unpadded) tensor that ``lay`` cuts."""
+    return full.narrow(lay.shard_dim, min(rank * lay.chunk_rows, lay.dim_size), lay.rows_on(rank))
+
+
+def unsharded_view(region: torch.Tensor, lay: ParamLayout) -> torch.Tensor:
+    """The full tensor in a parameter's region of the unsharded buffer (rank 0's copy of a 0-dim one): its
+    first elements when compact, else the padded full tensor without its padding."""
+    if lay.compact:
+        return region.view(-1).narrow(0, 0, math.prod(lay.shape)).view(lay.shape)
+    full = region.view(lay.padded_shape)
+    return full[0] if lay.replicated else full.narrow(lay.shard_dim, 0, lay.dim_size)
+
+
+def slots_to_full(slots: torch.Tensor, full: torch.Tensor, lay: ParamLayout) -> None:
+    """Copy every rank's rows from ``(world_size, shard_numel)`` slots cut as ``lay`` into ``full``, one copy per
+    rank (the way for compact layouts)."""
+    for rank in range(lay.world_size):
+        if lay.rows_on(rank):
+            full_rows(full, lay, rank).copy_(slot_rows(slots[rank], lay, rank))
+
+
+def rows_to_slot(full: torch.Tensor, slot: torch.Tensor, lay: ParamLayout, rank: int) -> None:
+    """Fill ``rank``'s slot with its rows of ``full`` (cut as ``lay``), zeros after them."""
+    rows = slot_rows(slot, lay, rank)
+    rows.copy_(full_rows(full, lay, rank))
+    slot.narrow(0, rows.numel(), lay.shard_numel - rows.numel()).zero_()
+
+
+def full_to_slots(full: torch.Tensor, slots: torch.Tensor, lay: ParamLayout) -> None:
+    """Fill ``(world_size, shard_numel)`` slots with every rank's rows of ``full``, one copy per rank."""
+    for rank in range(lay.world_size):
+        rows_to_slot(full, slots[rank], lay, rank)
 
 
 def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -300,6 +343,8 @@ class ShardedParam:
         lay = self.layout
         if lay.replicated:
             return padded_chunk.view(())
+        if lay.compact:
+            return slot_rows(padded_chunk, lay, self.mesh_info.shard_rank)
         chunk = padded_chunk.view(lay.chunk_shape)
         return chunk if self._rows_here == lay.chunk_rows else chunk.narrow(lay.shard_dim, 0, self._rows_here)
 
@@ -380,9 +425,7 @@ class ShardedParam:
 
     def bind_unsharded(self, padded_full: torch.Tensor) -> None:
         """``padded_full``: this parameter's slice of the unsharded buffer."""
-        lay = self.layout
-        full = padded_full.view(lay.padded_shape)
-        full = full[0] if lay.replicated else full.narrow(lay.shard_dim, 0, lay.dim_size)  # rank 0's copy
+        full = unsharded_view(padded_full, self.layout)
         value = full if self.tp is None else self.tp.unsharded(full)
         self.unsharded = nn.Parameter(value, requires_grad=self.requires_grad)
 
@@ -416,11 +459,7 @@ class ShardedParam:
 
     def dp_rows(self, local: torch.Tensor) -> torch.Tensor:
         """This rank's rows of the tensor the layout cuts (the full one, or a TP piece)."""
-        lay = self.layout
-        if lay.replicated:
-            return local
-        rank = self.mesh_info.shard_rank
-        return local.narrow(lay.shard_dim, min(rank * lay.chunk_rows, lay.dim_size), lay.rows_on(rank))
+        return local if self.layout.replicated else full_rows(local, self.layout, self.mesh_info.shard_rank)
 
     def register(self, param: torch.Tensor, keep_assigned: bool = False) -> None:
         """Register ``param`` at every site; with ``keep_assigned``, not where the module holds neither face of

@@ -57,7 +57,7 @@ from torch.distributed.tensor import DTensor
 from fullshard.collectives import CommStreams, PendingCollective, all_reduce, profiled, reduce_scatter, run_hook_on
 from fullshard.layout import GroupLayout, ParamLayout
 from fullshard.mesh import MeshInfo
-from fullshard.param import FLAT_GRAD, FlatGrad, ShardedParam, rank_axis_view
+from fullshard.param import FLAT_GRAD, FlatGrad, ShardedParam, full_to_slots, rank_axis_view
 
 CommHook = Callable[[Any, torch.Tensor, torch.Tensor], None]
 
@@ -562,6 +562,9 @@ def pack_rank_major(layout: GroupLayout, grads: list[torch.Tensor], out: torch.T
         torch._chunk_cat([g for g, _, _ in nonempty], dim=0, num_chunks=world_size, out=out)
         return
     for grad, lay, off in nonempty:
+        if lay.compact:
+            full_to_slots(grad, out[:, off : off + lay.shard_numel], lay)
+            continue
         padded = grad
         if not lay.is_even:
             padded = grad.new_zeros(lay.padded_shape)
