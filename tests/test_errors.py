@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, distribute_tensor
 
 from fullshard import AlreadyShardedError, MixedPrecisionPolicy, fully_shard
 from fullshard.api import check_param_device
@@ -37,8 +37,6 @@ def _bad_arguments(rank: int, world_size: int) -> None:
         fully_shard(nn.Linear(3, 3), mp_policy=MixedPrecisionPolicy(param_dtype=torch.int8))
     with pytest.raises(ValueError, match="does not support containers that do not implement forward: ModuleList"):
         fully_shard(nn.ModuleList([nn.Linear(3, 3)]))
-    with pytest.raises(ValueError, match=r"sharding 'weight' on dim 1 needs its size 3 to be divisible"):
-        fully_shard(nn.Linear(3, 4), shard_placement_fn=lambda p: Shard(1))
     mesh = init_device_mesh("cpu", (world_size,))
     tp = nn.Linear(4, 4)
     tp.weight = nn.Parameter(distribute_tensor(tp.weight.detach(), mesh, [Replicate()]))
