@@ -168,6 +168,15 @@ def _refused(rank: int, world_size: int) -> None:
     with pytest.raises(UnsupportedError, match="uneven sharding on dim 1 for an all-gather-extension parameter") as err:
         fully_shard(layer, shard_placement_fn=columns)
     assert isinstance(err.value, NotImplementedError)
+    # an extension cut evenly on dim 1 (8 columns) is refused too, before anything changed: dim 0 then works
+    layer = nn.Linear(8, 4)
+    layer.weight = nn.Parameter(RowInt8Weight(layer.weight.detach().clone()))
+    before = dict(layer.named_parameters())
+    with pytest.raises(UnsupportedError, match="all-gather extensions are supported on dim-0 sharding"):
+        fully_shard(layer, shard_placement_fn=columns)
+    assert dict(layer.named_parameters()) == before and not isinstance(layer, fullshard.FSDPModule)
+    fully_shard(layer)
+    layer(torch.zeros(2, 8)).sum().backward()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model = nn.Sequential(nn.Linear(5, 4))
     parallelize_module(model, mesh["tp"], {"0": ColwiseParallel()})  # local (2, 5): 5 columns over 2 dp ranks

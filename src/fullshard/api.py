@@ -418,14 +418,20 @@ def _layout(
         raise TypeError(f"shard_placement_fn must return a Shard or None, got {placement!r} for {fqn!r}")
     shape = cast(DTensor, param).to_local().shape if tensor_parallel else param.shape  # tensor parallel: its local piece
     layout = ParamLayout(tuple(shape), dim, mesh_info.shard_size)
-    if layout.compact and (tensor_parallel or hasattr(param, "fsdp_pre_all_gather")):
-        # [Note: Uneven cuts off dim 0]: the rows of every other parameter are stored compact; a tensor-parallel
-        # piece and an all-gather extension's hooks take the padded chunk as it is
+    data = cast(DTensor, param).to_local() if tensor_parallel else param
+    extension = hasattr(data, "fsdp_pre_all_gather") or hasattr(data, "fsdp_post_all_gather")
+    # Refused here, before fully_shard changes anything. [Note: Uneven cuts off dim 0]: the rows of every other
+    # parameter are stored compact; a tensor-parallel piece and an all-gather extension's hooks take the padded chunk.
+    if layout.compact and (tensor_parallel or extension):
         kind = "a tensor-parallel" if tensor_parallel else "an all-gather-extension"
         raise UnsupportedError(
             f"FSDP does not support uneven sharding on dim {dim} for {kind} parameter: sharding {fqn!r} on dim "
             f"{dim} needs its size {layout.dim_size} to be divisible by the shard world size "
             f"{mesh_info.shard_size}; shard it on dim 0 (padding is supported there)"
+        )
+    if extension and (tensor_parallel or dim != 0):
+        raise UnsupportedError(
+            f"parameter {fqn!r}: all-gather extensions are supported on dim-0 sharding without tensor parallel"
         )
     return layout
 
