@@ -72,7 +72,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPo
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import fullshard
-from fullshard.cli.bench import warm_device
+from fullshard.cli.bench import allocated, warm_device
 from fullshard.gpt import GPT, GPTConfig, lm_loss
 
 
@@ -205,10 +205,6 @@ class Run:
 def synchronize(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
-
-
-def allocated(dev: torch.device) -> int:
-    return torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
 
 
 def optimizer(params: Any, kind: str) -> torch.optim.Optimizer:

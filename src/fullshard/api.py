@@ -416,9 +416,8 @@ def _layout(
             )
     else:
         raise TypeError(f"shard_placement_fn must return a Shard or None, got {placement!r} for {fqn!r}")
-    shape = cast(DTensor, param).to_local().shape if tensor_parallel else param.shape  # tensor parallel: its local piece
-    layout = ParamLayout(tuple(shape), dim, mesh_info.shard_size)
-    data = cast(DTensor, param).to_local() if tensor_parallel else param
+    data = cast(DTensor, param).to_local() if tensor_parallel else param  # tensor parallel: its local piece
+    layout = ParamLayout(tuple(data.shape), dim, mesh_info.shard_size)
     extension = hasattr(data, "fsdp_pre_all_gather") or hasattr(data, "fsdp_post_all_gather")
     # Refused here, before fully_shard changes anything. [Note: Uneven cuts off dim 0]: the rows of every other
     # parameter are stored compact; a tensor-parallel piece and an all-gather extension's hooks take the padded chunk.

@@ -74,11 +74,15 @@ def rank_axis_view(padded_full: torch.Tensor, shard_dim: int, world_size: int) -
     return padded_full.view(*shape[:shard_dim], world_size, chunk, *shape[shard_dim + 1 :]).movedim(shard_dim, 0)
 
 
+def _leading(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """The first elements of ``t`` viewed as ``shape``."""
+    return t.view(-1).narrow(0, 0, math.prod(shape)).view(shape)
+
+
 def slot_rows(slot: torch.Tensor, lay: ParamLayout, rank: int) -> torch.Tensor:
     """``rank``'s real rows in its slot (padded chunk): the slot's first elements, on dim 0 and in a compact
     layout ([Note: Uneven cuts off dim 0] in layout.py) as in an even one."""
-    shape = lay.local_shape(rank)
-    return slot.view(-1).narrow(0, 0, math.prod(shape)).view(shape)
+    return _leading(slot, lay.local_shape(rank))
 
 
 def full_rows(full: torch.Tensor, lay: ParamLayout, rank: int) -> torch.Tensor:
@@ -90,7 +94,7 @@ def unsharded_view(region: torch.Tensor, lay: ParamLayout) -> torch.Tensor:
     """The full tensor in a parameter's region of the unsharded buffer (rank 0's copy of a 0-dim one): its
     first elements when compact, else the padded full tensor without its padding."""
     if lay.compact:
-        return region.view(-1).narrow(0, 0, math.prod(lay.shape)).view(lay.shape)
+        return _leading(region, lay.shape)
     full = region.view(lay.padded_shape)
     return full[0] if lay.replicated else full.narrow(lay.shard_dim, 0, lay.dim_size)
 
