@@ -13,7 +13,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms._comm_hooks import default_hooks
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import DataParallelMeshDims
 from torch.distributed.tensor import DTensor
 
 import fullshard
@@ -132,10 +131,12 @@ def test_no_sync(world_size: int) -> None:
 
 
 def shard_mixed_placements(model: nn.Module) -> None:
-    """Block 0 replicated (like DDP), block 1 and the root sharded; one frozen parameter."""
+    """Block 0 replicated (like DDP: HSDP with shards of one rank), block 1 and the root sharded; one frozen
+    parameter."""
     model.blocks[1].ln2.weight.requires_grad_(False)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
-    fully_shard(model.blocks[0], mesh=mesh, dp_mesh_dims=DataParallelMeshDims(replicate="dp"))
+    replicated = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("replicate", "shard"))
+    fully_shard(model.blocks[0], mesh=replicated)
     fully_shard(model.blocks[1], mesh=mesh)
     fully_shard(model, mesh=mesh)
 

@@ -75,16 +75,17 @@ def test_cpu_offload_parity() -> None:
 
 
 def shard_replicate_only(model: nn.Module) -> None:
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+    """HSDP whose shard groups are one rank each: DDP on plain parameters."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("replicate", "shard"))
     for block in model.blocks:
-        fully_shard(block, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(replicate="dp"))
-    fully_shard(model, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(replicate="dp"))
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
 
 
 def _replicate_only(rank: int, world_size: int) -> None:
     _, model = run_parity(rank, world_size, Transformer, shard_replicate_only, token_batch, lm_loss)
     for name, p in model.named_parameters():
-        assert p.placements == (Replicate(),) and p.to_local().shape == p.shape, name
+        assert p.placements == (Replicate(), Shard(0)) and p.to_local().shape == p.shape, name
     rec = CommRecorder(model)
     lm_loss(model, random_batches(1, world_size, token_batch)[0][rank]).backward()
     rec.close()
@@ -95,5 +96,5 @@ def _replicate_only(rank: int, world_size: int) -> None:
         fully_shard(nn.Linear(2, 2), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="tp"))
 
 
-def test_one_dim_replicate_mesh_is_ddp() -> None:
+def test_one_rank_shards_are_ddp() -> None:
     run_ranks(2, _replicate_only)

@@ -135,6 +135,21 @@ def test_sharding_strategies(strategy: ShardingStrategy) -> None:
     run_ranks(4, _strategy, strategy)
 
 
+def shard_on_dim_1(model: nn.Module) -> None:
+    shard_model(model, auto_wrap_policy=ModuleWrapPolicy({Block}),
+                shard_placement_fn=lambda p: Shard(1) if p.dim() == 2 else None)
+
+
+def _placement_fn(rank: int, world_size: int) -> None:
+    _, model = run_parity(rank, world_size, Transformer, shard_on_dim_1, token_batch, lm_loss)
+    for name, p in model.named_parameters():
+        assert p.placements == ((Shard(1),) if p.dim() == 2 else (Shard(0),)), name
+
+
+def test_shard_placement_fn() -> None:
+    run_ranks(2, _placement_fn)
+
+
 def shard_mixed_precision_offload(model: nn.Module) -> None:
     model.register_buffer("scale", torch.ones(3))
     shard_model(

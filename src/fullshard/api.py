@@ -22,7 +22,7 @@ from fullshard.collectives import CommStreams
 from fullshard.errors import AlreadyShardedError, UnsupportedError, UsageError, expect_bool, expect_positive
 from fullshard.group import ParamGroup, ShardedState
 from fullshard.layout import ParamLayout
-from fullshard.mesh import MeshInfo, concatenate_meshes, mesh_device, post_forward_group, resolve_mesh
+from fullshard.mesh import MeshInfo, SpmdMesh, concatenate_meshes, mesh_device, post_forward_group, resolve_mesh
 from fullshard.param import ParamSite, ShardedParam, TensorParallel, claimant_of
 from fullshard.policy import (
     CPUOffloadPolicy,
@@ -104,6 +104,26 @@ def fully_shard(
     - ``comm_policy``: :class:`QuantizedCommPolicy` all-gathers weights as block-quantized
       int8 and reduce-scatters gradients in bf16 (not in FSDP2).
     """
+    return shard_modules(
+        module, lambda: resolve_mesh(mesh, dp_mesh_dims), reshard_after_forward=reshard_after_forward,
+        shard_placement_fn=shard_placement_fn, mp_policy=mp_policy, offload_policy=offload_policy,
+        ignored_params=ignored_params, comm_policy=comm_policy,
+    )
+
+
+def shard_modules(
+    module: nn.Module | list[nn.Module],
+    mesh_info_of: Callable[[], MeshInfo],
+    *,
+    reshard_after_forward: bool | int | None,
+    shard_placement_fn: _ShardPlacementFn | None,
+    mp_policy: MixedPrecisionPolicy,
+    offload_policy: OffloadPolicy,
+    ignored_params: set[nn.Parameter] | None,
+    comm_policy: QuantizedCommPolicy | None,
+) -> Any:
+    """:func:`fully_shard` over the mesh ``mesh_info_of()`` gives, called once the other arguments are checked
+    (``shard_model``'s NO_SHARD replicates plain parameters, which ``dp_mesh_dims`` takes as DTensors only)."""
     modules = _validate_modules(module)
     if not isinstance(reshard_after_forward, (bool, int, type(None))):
         raise ValueError(
@@ -126,7 +146,7 @@ def fully_shard(
         or not all(isinstance(p, torch.Tensor) for p in ignored_params)
     ):
         raise TypeError(f"ignored_params must be a set of parameters, got {type(ignored_params).__name__}")
-    mesh_info = resolve_mesh(mesh, dp_mesh_dims)
+    mesh_info = mesh_info_of()
     _install_optimizer_hooks()
     device = mesh_device(mesh_info.mesh)
     reshard_after_forward, post_forward_size = _resolve_reshard_after_forward(reshard_after_forward, mesh_info)
@@ -342,7 +362,9 @@ def _check_params(
 ) -> None:
     for p in params:
         fqn = fqns[p]
-        if isinstance(p, DTensor):
+        if mesh_info.spmd is not None:
+            _check_spmd_param(p, fqn, mesh_info.spmd)
+        elif isinstance(p, DTensor):
             _check_tensor_parallel(p, fqn, mesh_info)
         if p.dim() == 0 and (isinstance(p, DTensor) or hasattr(p, "fsdp_pre_all_gather")):
             # (a ValueError too: what torch's FSDP2 raises for every 0-dim parameter)
@@ -371,10 +393,36 @@ def _check_tensor_parallel(param: DTensor, fqn: str, mesh_info: MeshInfo) -> Non
             f"parameter {fqn!r} is already a DTensor on the mesh fully_shard shards over ({tp_mesh}); a DTensor "
             "parameter must be tensor parallel, on other axes of the same mesh (e.g. mesh['tp'] beside mesh['dp'])"
         )
-    bad = [pl for pl in param.placements if not (pl.is_shard() or pl.is_replicate())]
-    if bad:
-        raise ValueError(f"parameter {fqn!r} has placements {param.placements}; fully_shard takes Shard or Replicate ones")
+    _check_placements(param, fqn)
     concatenate_meshes(mesh_info.mesh, tp_mesh)  # raises unless both are named axes of one mesh
+
+
+def _check_spmd_param(param: torch.Tensor, fqn: str, spmd: SpmdMesh) -> None:
+    """With dp_mesh_dims, a parameter is a DTensor on the SPMD mesh, Replicate on its data-parallel axes."""
+    if not isinstance(param, DTensor):
+        raise ValueError(
+            "When dp_mesh_dims is provided, all parameters must be DTensors on the full SPMD mesh (e.g. via "
+            f"distribute_module); parameter {fqn!r} is a plain {type(param).__name__}"
+        )
+    if param.device_mesh is not spmd.mesh:
+        raise ValueError(
+            f"parameter {fqn!r} is a DTensor on {param.device_mesh}: with dp_mesh_dims, expected param's DTensor "
+            f"mesh to be the same mesh passed to fully_shard ({spmd.mesh}), the same object"
+        )
+    for role, names in (("shard", spmd.shard_names), ("replicate", spmd.replicate_names)):
+        for name in names:
+            placement = param.placements[spmd.axis(name)]
+            if not placement.is_replicate():
+                raise ValueError(
+                    f"parameter {fqn!r}: Expected Replicate() on DP {role} dim {name!r} (index {spmd.axis(name)}) "
+                    f"but got {placement}; fully_shard shards or replicates it over that axis itself"
+                )
+    _check_placements(param, fqn)
+
+
+def _check_placements(param: DTensor, fqn: str) -> None:
+    if not all(pl.is_shard() or pl.is_replicate() for pl in param.placements):
+        raise ValueError(f"parameter {fqn!r} has placements {param.placements}; fully_shard takes Shard or Replicate ones")
 
 
 def _check_comm(method: str, comm: Any) -> None:

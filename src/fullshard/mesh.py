@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,36 @@ except ImportError:  # torch before 2.13: the same two names, so code written fo
         return () if value is None else (value,) if isinstance(value, str) else tuple(value)
 
 
+# [Note: SPMD meshes]
+# With dp_mesh_dims, the mesh passed to fully_shard is the whole SPMD mesh (data-parallel
+# axes beside tensor-parallel ones) and every parameter is already a DTensor on it,
+# Replicate on the axes dp_mesh_dims names. The collectives run over the data-parallel
+# axes only: the shard axes (several are flattened into one) form the shard group, the
+# replicate axes (likewise) the replicate group, both together an HSDP mesh. Each
+# parameter is then handled as a tensor-parallel one ([Note: Tensor parallel] in
+# param.py) whose own mesh is the SPMD mesh: its local tensor is what the data-parallel
+# ranks shard, the unsharded parameter is the DTensor as the user gave it, and the
+# sharded one is that DTensor with Shard on the shard axis (several shard axes: on their
+# flattened axis, which takes the place of the first).
+
+
+@dataclass(frozen=True)
+class SpmdMesh:
+    """The whole mesh of ``dp_mesh_dims`` and the names of its data-parallel axes ([Note: SPMD meshes])."""
+
+    mesh: DeviceMesh
+    shard_names: tuple[str, ...]
+    replicate_names: tuple[str, ...]
+
+    def axis(self, name: str) -> int:
+        assert self.mesh.mesh_dim_names is not None
+        return self.mesh.mesh_dim_names.index(name)
+
+    @cached_property
+    def dp_axes(self) -> frozenset[int]:
+        return frozenset(self.axis(name) for name in self.shard_names + self.replicate_names)
+
+
 @dataclass(frozen=True)
 class MeshInfo:
     """Which mesh axis shards parameters and which (HSDP) replicates them.
@@ -48,6 +79,7 @@ class MeshInfo:
     mesh: DeviceMesh
     shard_axis: int | None = 0  # None: nothing is sharded (replicate-only, like DDP)
     replicate_axis: int | None = None
+    spmd: SpmdMesh | None = None  # set by dp_mesh_dims: ``mesh`` holds its data-parallel axes
 
     @cached_property
     def shard_group(self) -> dist.ProcessGroup | None:
@@ -116,7 +148,7 @@ def resolve_mesh(mesh: DeviceMesh | None, dp_mesh_dims: object | None = None) ->
 
 
 def _mesh_info_from_names(mesh: DeviceMesh, dims: object) -> MeshInfo:
-    """``dp_mesh_dims`` (torch's ``DataParallelMeshDims``): name the shard and/or replicate axis of ``mesh``."""
+    """``dp_mesh_dims`` (torch's ``DataParallelMeshDims``): the data-parallel axes of the SPMD mesh ``mesh``."""
     shard_names: tuple[str, ...] = tuple(getattr(dims, "shard_names", ()))
     replicate_names: tuple[str, ...] = tuple(getattr(dims, "replicate_names", ()))
     if not shard_names and not replicate_names:
@@ -126,15 +158,19 @@ def _mesh_info_from_names(mesh: DeviceMesh, dims: object) -> MeshInfo:
     for name in shard_names + replicate_names:
         if name not in mesh.mesh_dim_names:
             raise ValueError(f"Mesh dim name '{name}' not found in mesh.mesh_dim_names {mesh.mesh_dim_names}")
-    if len(shard_names) > 1 or len(replicate_names) > 1:
-        raise NotImplementedError(f"dp_mesh_dims with several names per role is not supported: {dims}")
-    if len(shard_names) + len(replicate_names) != mesh.ndim:
-        raise NotImplementedError(
-            f"dp_mesh_dims must name every axis of the mesh {mesh.mesh_dim_names} (tensor-parallel axes are not supported)"
-        )
-    shard_axis = mesh.mesh_dim_names.index(shard_names[0]) if shard_names else None
-    replicate_axis = mesh.mesh_dim_names.index(replicate_names[0]) if replicate_names else None
-    return MeshInfo(mesh, shard_axis=shard_axis, replicate_axis=replicate_axis)
+    if len(set(shard_names + replicate_names)) < len(shard_names + replicate_names):
+        raise ValueError(f"dp_mesh_dims names a mesh axis twice: {dims}")
+
+    def axes(names: tuple[str, ...]) -> DeviceMesh:  # one axis, or several flattened into one
+        return mesh[names[0]] if len(names) == 1 else mesh[names]._flatten("_".join(names))
+
+    spmd = SpmdMesh(mesh, shard_names, replicate_names)
+    if not replicate_names:
+        return MeshInfo(axes(shard_names), shard_axis=0, spmd=spmd)
+    if not shard_names:
+        return MeshInfo(axes(replicate_names), shard_axis=None, replicate_axis=0, spmd=spmd)
+    return MeshInfo(concatenate_meshes(axes(replicate_names), axes(shard_names)), shard_axis=1, replicate_axis=0,
+                    spmd=spmd)
 
 
 def mesh_device(mesh: DeviceMesh) -> torch.device:
@@ -155,19 +191,20 @@ def post_forward_group(mesh_info: MeshInfo, size: int) -> dist.ProcessGroup:
     return sub_mesh.get_group(1)
 
 
-def concatenate_meshes(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh whose axes are ``dp_mesh``'s then ``tp_mesh``'s: both named axes of one mesh (e.g. its dp and tp)."""
-    dp_names, tp_names = dp_mesh.mesh_dim_names, tp_mesh.mesh_dim_names
-    if dp_names is None or tp_names is None or set(dp_names) & set(tp_names):
+def concatenate_meshes(*meshes: DeviceMesh) -> DeviceMesh:
+    """The mesh whose axes are those of ``meshes`` in order: distinct named axes of one mesh (e.g. its dp and tp)."""
+    names = [m.mesh_dim_names for m in meshes]
+    flat = [n for axes in names if axes is not None for n in axes]
+    if any(axes is None for axes in names) or len(set(flat)) < len(flat):
         raise ValueError(
-            f"a tensor-parallel parameter needs the data-parallel mesh (axes {dp_names}) and its own mesh (axes "
-            f"{tp_names}) to be distinct named axes of one mesh, e.g. mesh['dp'] and mesh['tp'] of "
+            f"a tensor-parallel parameter needs the data-parallel mesh and its own mesh (axes {tuple(names)}) to be "
+            "distinct named axes of one mesh, e.g. mesh['dp'] and mesh['tp'] of "
             "init_device_mesh(..., mesh_dim_names=('dp', 'tp'))"
         )
     concatenate = getattr(DeviceMesh, "_concatenate", None)
     if concatenate is not None:
-        return concatenate([dp_mesh, tp_mesh])
-    root = dp_mesh._get_root_mesh()  # torch before 2.13: slice the common root mesh by name
-    if root is not tp_mesh._get_root_mesh():
-        raise ValueError(f"the data-parallel mesh {dp_names} and the tensor-parallel mesh {tp_names} come from different meshes")
-    return root[(*dp_names, *tp_names)]
+        return cast(DeviceMesh, concatenate(list(meshes)))
+    root = meshes[0]._get_root_mesh()  # torch before 2.13: slice the common root mesh by name
+    if any(m._get_root_mesh() is not root for m in meshes):
+        raise ValueError(f"the meshes with axes {tuple(names)} come from different meshes")
+    return root[tuple(flat)]

@@ -11,13 +11,13 @@ from typing import Any, cast
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from fullshard.errors import UnsupportedError
 from fullshard.layout import ParamLayout
-from fullshard.mesh import MeshInfo, concatenate_meshes
+from fullshard.mesh import MeshInfo, SpmdMesh, concatenate_meshes
 
 
 @dataclass(frozen=True, eq=False)
@@ -182,22 +182,48 @@ class TensorParallel:
     """How a DTensor parameter is laid out on its own (TP) mesh, and the (dp, tp) layout fullshard gives it."""
 
     spec: DTensorSpec  # the parameter as the user gave it: TP mesh, TP placements, global shape
-    mesh: DeviceMesh  # dp axes then TP axes
+    mesh: DeviceMesh  # dp axes then TP axes; with dp_mesh_dims, the SPMD mesh (its shard axes flattened)
     placements: tuple[Placement, ...]
+    dp_axes: frozenset[int] = frozenset()  # axes of ``spec.mesh`` that are data parallel (dp_mesh_dims)
 
     @classmethod
     def of(cls, param: DTensor, mesh_info: MeshInfo, shard_dim: int) -> TensorParallel:
         spec = param._spec
-        split = 1
-        for axis, placement in enumerate(spec.placements):
-            if isinstance(placement, Shard) and placement.dim == shard_dim:
-                split *= spec.mesh.size(axis)
+        if mesh_info.spmd is not None:
+            return cls._on_spmd_mesh(spec, mesh_info, mesh_info.spmd, shard_dim)
+        split = _tp_split(spec, range(spec.mesh.ndim), shard_dim)
         dp: list[Placement] = []
         for placement in mesh_info.placements(shard_dim):
             if isinstance(placement, Shard) and split > 1:
                 placement = _StridedShard(shard_dim, split_factor=split)
             dp.append(placement)
         return cls(spec, concatenate_meshes(mesh_info.mesh, spec.mesh), (*dp, *spec.placements))
+
+    @classmethod
+    def _on_spmd_mesh(cls, spec: DTensorSpec, mesh_info: MeshInfo, spmd: SpmdMesh, shard_dim: int) -> TensorParallel:
+        """([Note: SPMD meshes] in mesh.py.) The shard placement goes on the first shard axis, strided over the
+        tensor-parallel axes after it that shard the same dim."""
+        if not spmd.shard_names:
+            return cls(spec, spec.mesh, spec.placements, spmd.dp_axes)
+        first = spmd.axis(spmd.shard_names[0])
+        split = _tp_split(spec, range(first + 1, spec.mesh.ndim), shard_dim)
+        shard: Placement = Shard(shard_dim) if split == 1 else _StridedShard(shard_dim, split_factor=split)
+        if len(spmd.shard_names) == 1:
+            placements = list(spec.placements)
+            placements[first] = shard
+            return cls(spec, spec.mesh, tuple(placements), spmd.dp_axes)
+        # several shard axes: their flattened axis (after the replicate one, for HSDP) replaces them
+        meshes: list[DeviceMesh] = []
+        placements = []
+        assert spec.mesh.mesh_dim_names is not None
+        for axis, name in enumerate(spec.mesh.mesh_dim_names):
+            if axis == first:
+                meshes.append(mesh_info.mesh)
+                placements.extend([Replicate(), shard] if spmd.replicate_names else [shard])
+            elif axis not in spmd.dp_axes:
+                meshes.append(spec.mesh[name])
+                placements.append(spec.placements[axis])
+        return cls(spec, concatenate_meshes(*meshes), tuple(placements), spmd.dp_axes)
 
     def local_of(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's TP piece of a full (global) tensor, cut locally (no communication)."""
@@ -212,9 +238,23 @@ class TensorParallel:
         """The local tensor of an unsharded gradient, brought to the parameter's TP placements first."""
         if not isinstance(grad, DTensor):
             return grad
-        if grad.placements != self.spec.placements:
-            grad = grad.redistribute(self.spec.mesh, self.spec.placements)
+        # On the data-parallel axes (dp_mesh_dims) a gradient stays as it is: the reduce-scatter sums the local
+        # tensors there, a Partial one's included, as for any gradient
+        target = tuple(g if axis in self.dp_axes else p
+                       for axis, (g, p) in enumerate(zip(grad.placements, self.spec.placements, strict=True)))
+        if grad.placements != target:
+            grad = grad.redistribute(self.spec.mesh, target)
         return grad.to_local()
+
+
+def _tp_split(spec: DTensorSpec, axes: range, shard_dim: int) -> int:
+    """How many pieces the placements of ``spec`` on ``axes`` cut ``shard_dim`` into."""
+    split = 1
+    for axis in axes:
+        placement = spec.placements[axis]
+        if isinstance(placement, Shard) and placement.dim == shard_dim:
+            split *= spec.mesh.size(axis)
+    return split
 
 
 def _extension_of(fqn: str, data: torch.Tensor) -> tuple[type, str, Any]:

@@ -29,10 +29,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
 
-from fullshard.api import fully_shard, original_class
+from fullshard.api import original_class, shard_modules
 from fullshard.codec import QuantizedCommPolicy
 from fullshard.errors import expect_module
-from fullshard.mesh import DataParallelMeshDims, default_device_type
+from fullshard.mesh import MeshInfo, default_device_type, resolve_mesh
 from fullshard.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from fullshard.runtime import BackwardPrefetchMode, state_of
 
@@ -143,20 +143,19 @@ def _hybrid_mesh(device_mesh: DeviceMesh | None) -> DeviceMesh:
 
 def _mesh_and_resharding(
     strategy: ShardingStrategy, device_mesh: DeviceMesh | None
-) -> tuple[dict[str, Any], bool | None]:
-    """fully_shard's mesh arguments and the non-root ``reshard_after_forward`` for ``strategy``."""
+) -> tuple[MeshInfo, bool | None]:
+    """The data-parallel mesh for ``strategy`` and the non-root ``reshard_after_forward``."""
     if strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
-        mesh = _hybrid_mesh(device_mesh)
-        return {"mesh": mesh}, strategy is ShardingStrategy.HYBRID_SHARD
+        return resolve_mesh(_hybrid_mesh(device_mesh)), strategy is ShardingStrategy.HYBRID_SHARD
     if strategy is ShardingStrategy.NO_SHARD:
         mesh = device_mesh or init_device_mesh(default_device_type(), (dist.get_world_size(),), mesh_dim_names=("dp",))
-        if mesh.ndim != 1 or mesh.mesh_dim_names is None:
-            raise ValueError("NO_SHARD with a device_mesh needs a 1-D mesh with mesh_dim_names")
+        if mesh.ndim != 1:
+            raise ValueError(f"NO_SHARD needs a 1-D device_mesh, got {mesh.ndim} dimensions")
         # Nothing is sharded, so there is nothing to free after forward.
-        return {"mesh": mesh, "dp_mesh_dims": DataParallelMeshDims(replicate=mesh.mesh_dim_names[0])}, False
+        return MeshInfo(mesh, shard_axis=None, replicate_axis=0), False
     if strategy not in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
         raise ValueError(f"unknown sharding_strategy {strategy!r}")
-    return {"mesh": device_mesh}, strategy is ShardingStrategy.FULL_SHARD
+    return resolve_mesh(device_mesh), strategy is ShardingStrategy.FULL_SHARD
 
 
 def _mp_policy(mixed_precision: MixedPrecision | None, root: bool) -> MixedPrecisionPolicy:
@@ -189,6 +188,7 @@ def shard_model(
     device_mesh: DeviceMesh | None = None,
     ignored_modules: Iterable[nn.Module] | None = None,
     comm_policy: QuantizedCommPolicy | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
 ) -> nn.Module:
     """Shard ``model`` in place the way ``FullyShardedDataParallel(model, ...)`` would, and return it.
 
@@ -200,7 +200,8 @@ def shard_model(
     after, ``None`` not at all. ``forward_prefetch=True`` all-gathers the next
     group before this one computes. ``limit_all_gathers=False`` lets prefetching
     run further ahead (every remaining group), trading memory for overlap.
-    ``comm_policy`` goes to every ``fully_shard`` call (:class:`QuantizedCommPolicy`).
+    ``comm_policy`` and ``shard_placement_fn`` go to every ``fully_shard`` call
+    (:class:`QuantizedCommPolicy`; a ``Shard`` or ``None`` per parameter).
     """
     expect_module("shard_model", model)
     if not isinstance(sharding_strategy, ShardingStrategy):
@@ -214,19 +215,20 @@ def shard_model(
         if state_of(module) is not None:
             label = name or original_class(model).__name__
             raise ValueError(f"shard_model: module {label!r} is already sharded; shard a model once")
-    mesh_kwargs, reshard = _mesh_and_resharding(sharding_strategy, device_mesh)
+    mesh_info, reshard = _mesh_and_resharding(sharding_strategy, device_mesh)
     common: dict[str, Any] = {
-        **mesh_kwargs,
         "offload_policy": CPUOffloadPolicy() if cpu_offload is not None and cpu_offload.offload_params else OffloadPolicy(),
         "ignored_params": {p for m in ignored for p in m.parameters()},
         "comm_policy": comm_policy,
+        "shard_placement_fn": shard_placement_fn,
     }
     if not any(p not in common["ignored_params"] for p in model.parameters()):
         raise ValueError(f"shard_model: {type(model).__name__} has no parameters to shard")
     for name, module in _modules_to_shard(model, _as_policy_fn(auto_wrap_policy), ignored):
-        fully_shard(module, reshard_after_forward=reshard, mp_policy=_mp_policy(mixed_precision, root=False), **common)
-    fully_shard(model, reshard_after_forward=None if reshard else reshard, mp_policy=_mp_policy(mixed_precision, root=True),
-                **common)
+        shard_modules(module, lambda: mesh_info, reshard_after_forward=reshard,
+                      mp_policy=_mp_policy(mixed_precision, root=False), **common)
+    shard_modules(model, lambda: mesh_info, reshard_after_forward=None if reshard else reshard,
+                  mp_policy=_mp_policy(mixed_precision, root=True), **common)
     if mixed_precision is not None and mixed_precision.buffer_dtype is not None:
         for module in model.modules():
             for buf_name, buf in module.named_buffers(recurse=False):
