@@ -180,6 +180,7 @@ def shard_with_comm_options(model: nn.Module) -> None:
     model.set_reduce_scatter_max_input_buffers(3)
     model.set_separate_reduce_scatter_group()
     model.blocks[0].set_force_sum_reduction_for_comms(True)
+    model._set_unshard_async_op(True)  # FSDP2's private switch: accepted, training unchanged (parity below)
 
 
 def _comm_options(rank: int, world_size: int) -> None:
@@ -195,6 +196,11 @@ def _comm_options(rank: int, world_size: int) -> None:
         model.set_reduce_scatter_max_input_buffers(True)
     with pytest.raises(ValueError, match="max_input_buffers must be a positive int, got 0"):
         model.set_reduce_scatter_max_input_buffers(0)
+    with pytest.raises(TypeError, match="_set_unshard_async_op: async_op must be a bool"):
+        model._set_unshard_async_op(1)
+    for method in ("set_allocate_memory_from_process_group_for_comm", "set_symm_mem_for_comm"):
+        with pytest.raises(NotImplementedError, match=f"{method} is not supported"):
+            getattr(model, method)(True) if method.startswith("set_allocate") else getattr(model, method)()
     for method in ("set_custom_all_gather", "set_custom_reduce_scatter"):
         with pytest.raises(TypeError, match=f"{method}: comm must be a torch.distributed.fsdp"):
             getattr(model, method)(object())

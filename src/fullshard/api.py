@@ -671,6 +671,12 @@ class FSDPModule:
         """Not supported: symmetric-memory collectives are not used."""
         raise NotImplementedError("set_symm_mem_for_comm is not supported by fullshard")
 
+    def _set_unshard_async_op(self, async_op: bool) -> None:
+        """Accepted for code written for FSDP2 (where it is private): there it issues the unshards as asynchronous
+        collectives whose buffers come from the compute stream. fullshard's all-gathers always run asynchronously on
+        their own stream and are waited on right before use, so the flag changes nothing."""
+        expect_bool("_set_unshard_async_op", "async_op", async_op)
+
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """All-gather these modules' groups when this module's forward starts (replaces the implicit next one)."""
         self._get_hook_state().forward_prefetch = _states_of(modules)
