@@ -20,9 +20,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
 import fullshard
 from fullshard import DataParallelMeshDims, MixedPrecisionPolicy, fully_shard
+from fullshard.runtime import state_of
 from tests.comm import CommRecorder
 from tests.harness import run_ranks
 
@@ -198,22 +200,39 @@ def test_combinations_match_torch(tmp_path: Path) -> None:
     run_ranks(4, _combinations, str(tmp_path))
 
 
-def _reshard_to_smaller_groups(rank: int, world_size: int) -> None:
-    """reshard_after_forward=2 on a 4-rank SPMD mesh (torch's fully_shard raises NotImplementedError here)."""
-    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("fsdp",))
-    dims = DataParallelMeshDims(shard="fsdp")
-    with pytest.raises(NotImplementedError, match="reshard_after_forward as int"):
-        build(torch_fully_shard, mesh, dims, False, nested=True, reshard_after_forward=2)
-    model = build(fully_shard, mesh, dims, False, nested=True, reshard_after_forward=2)
+def _reshard_to_smaller_groups(rank: int, world_size: int, spmd: bool) -> None:
+    """reshard_after_forward=2 on the data-parallel axis of a (4, 2) (dp, tp) mesh, whose rows each rank sees only
+    its own of: the whole SPMD mesh with dp_mesh_dims (torch's fully_shard raises NotImplementedError there), or
+    mesh["dp"] with tensor-parallel parameters on mesh["tp"]."""
+    mesh = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "tp"))
+    if spmd:
+        dims = DataParallelMeshDims(shard="dp")
+        with pytest.raises(NotImplementedError, match="reshard_after_forward as int"):
+            build(torch_fully_shard, mesh, dims, True, nested=True, reshard_after_forward=2)
+        model = build(fully_shard, mesh, dims, True, nested=True, reshard_after_forward=2)
+    else:
+        torch.manual_seed(0)
+        model = nn.Sequential(MLP(), MLP())
+        for block in model:
+            parallelize_module(block, mesh["tp"], {"in_proj": ColwiseParallel(output_layouts=Replicate())})
+            fully_shard(block, mesh=mesh["dp"], reshard_after_forward=2)
+        fully_shard(model, mesh=mesh["dp"])
+    groups = [state_of(block).group.post_forward.group for block in model]
+    assert all(dist.get_process_group_ranks(g) == [rank // 4 * 4 + rank % 2 + 2 * i for i in range(2)] for g in groups)
     torch.manual_seed(0)
     ref = nn.Sequential(MLP(), MLP())
-    optims = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (model, ref)]
+    optims = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, ref)]
     gen = torch.Generator().manual_seed(3)
+    dp_rank = mesh["dp"].get_local_rank()
     for _ in range(3):
-        xs = [torch.randn(2, DIM, generator=gen) for _ in range(world_size)]
-        loss = step(model, xs[rank], mesh)
-        torch.testing.assert_close(loss, ref(xs[rank]).sum().detach())
-        (sum(ref(x).sum() for x in xs) / world_size).backward()
+        xs = [torch.randn(2, DIM, generator=gen) for _ in range(4)]
+        if spmd:
+            loss = step(model, xs[dp_rank], mesh)
+        else:
+            loss = model(xs[dp_rank]).sum()
+            loss.backward()
+        torch.testing.assert_close(loss, ref(xs[dp_rank]).sum().detach())
+        (sum(ref(x).sum() for x in xs) / 4).backward()
         for opt in optims:
             opt.step()
             opt.zero_grad()
@@ -222,8 +241,9 @@ def _reshard_to_smaller_groups(rank: int, world_size: int) -> None:
         torch.testing.assert_close(value, expected[name], msg=lambda m: f"{name}: {m}")
 
 
-def test_reshard_after_forward_int() -> None:
-    run_ranks(4, _reshard_to_smaller_groups)
+@pytest.mark.parametrize("spmd", [True, False], ids=["spmd-mesh", "dp-submesh"])
+def test_reshard_after_forward_int_beside_tp(spmd: bool) -> None:
+    run_ranks(8, _reshard_to_smaller_groups, spmd)
 
 
 def _bad_input(rank: int, world_size: int) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -182,13 +182,18 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
 
 
 def post_forward_group(mesh_info: MeshInfo, size: int) -> dist.ProcessGroup:
-    """The group of ``size`` consecutive ranks (within one shard row) that this rank reshards to after forward.
+    """The group of ``size`` consecutive ranks of this rank's shard group that it reshards to after forward.
 
-    Every rank of the mesh must call this together (it creates process groups).
+    Every rank of the default group must call this together: the shard groups may be rows of a mesh this rank
+    sees only its own row of (``mesh["dp"]`` beside ``"tp"``), so they are exchanged first and every group of
+    every row is created, in one order on every rank.
     """
-    ranks = mesh_info.mesh.mesh.reshape(-1, size)
-    sub_mesh = DeviceMesh(mesh_info.mesh.device_type, ranks)
-    return sub_mesh.get_group(1)
+    assert mesh_info.shard_group is not None
+    rows: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, dist.get_process_group_ranks(mesh_info.shard_group))
+    chunks = sorted({tuple(row[i : i + size]) for row in rows for i in range(0, len(row), size)})
+    group, _ = dist.new_subgroups_by_enumeration([list(chunk) for chunk in chunks])
+    return group
 
 
 def concatenate_meshes(*meshes: DeviceMesh) -> DeviceMesh:
