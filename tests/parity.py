@@ -39,8 +39,10 @@ class Trace:
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
-    """The full tensor on CPU (also for CPU-offloaded shards of an accelerator mesh)."""
-    return (full_tensor(t) if isinstance(t, DTensor) else t).cpu()
+    """The full tensor on CPU (also for CPU-offloaded shards of an accelerator mesh); float8 as float32, which holds
+    every float8 value exactly and which assert_close compares with tolerances."""
+    value = (full_tensor(t) if isinstance(t, DTensor) else t).cpu()
+    return value.float() if value.is_floating_point() and value.element_size() == 1 else value
 
 
 def full_grads(model: nn.Module) -> dict[str, torch.Tensor | None]:

@@ -61,14 +61,17 @@ def _divide_factor_and_hook(rank: int, world_size: int) -> None:
     model = MLP()
     shard_mlp(model)
     calls: list[int] = []
+    hook_stream = torch.cpu.Stream()
 
     def double(reduced: torch.Tensor) -> None:
+        assert torch.cpu.current_stream() is hook_stream  # the stream given, current inside (as with FSDP2)
         calls.append(reduced.numel())
         reduced.mul_(2)
 
     for layer in model.layers:
         layer.set_gradient_divide_factor(1.0)  # sum instead of mean
-    model.layers[0].set_all_reduce_hook(double)
+    model.layers[0].set_all_reduce_hook(double, stream=hook_stream)
+    model.set_post_optim_event(torch.cpu.current_stream().record_event())  # None on CPU: the default order
     batches = random_batches(1, world_size, regression_batch)[0]
     (sum(mse_loss(ref, b) for b in batches) / world_size).backward()
     mse_loss(model, batches[rank]).backward()

@@ -65,7 +65,9 @@ def _fsdp2_exceptions(rank: int, world_size: int) -> None:
         never = MLP()
     fully_shard(never)
     # FSDP2 raises RuntimeError here; code that catches it keeps working.
-    with pytest.raises(RuntimeError, match=r"still on the meta device \(layers.0.weight"):
+    fsdp2_sentence = ("FSDP parameters should be materialized from meta device before training, but the following "
+                      r"were still on meta device: \['layers.0.weight'")
+    with pytest.raises(RuntimeError, match=fsdp2_sentence):
         never(torch.zeros(2, 7))
 
 

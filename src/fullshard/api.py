@@ -596,10 +596,11 @@ class FSDPModule:
         group.reducer.settings.all_reduce_hook = hook
         group.reducer.settings.all_reduce_hook_stream = stream
 
-    def set_post_optim_event(self, event: torch.Event) -> None:
+    def set_post_optim_event(self, event: torch.Event | None) -> None:
         """Order the root's next forward all-gathers after ``event`` (recorded after the optimizer step)
-        instead of after everything queued on the compute stream."""
-        if not callable(getattr(event, "wait", None)):
+        instead of after everything queued on the compute stream. ``None`` (what a CPU stream's ``record_event()``
+        returns) leaves the default order."""
+        if event is not None and not callable(getattr(event, "wait", None)):
             raise TypeError(f"set_post_optim_event: event must be a torch.Event (or a device Event), got {type(event).__name__}")
         state = self._get_hook_state()
         (state.ctx or state.lazy_init()).post_optim_event = event

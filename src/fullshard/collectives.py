@@ -386,8 +386,12 @@ def _ordered(pending: PendingCollective, streams: CommStreams) -> PendingCollect
 
 def run_hook_on(streams: CommStreams, stream: Any, hook: Callable[[torch.Tensor], None], tensor: torch.Tensor) -> Any:
     """Run ``hook(tensor)`` on ``stream`` (ordered after the current stream); return the event to wait for it."""
-    if stream is None or not streams.on_accelerator:
+    if stream is None:
         hook(tensor)
+        return None
+    if not streams.on_accelerator:  # nothing to order; the hook still finds its stream current, as with FSDP2
+        with torch.cpu.stream(stream):
+            hook(tensor)
         return None
     stream.wait_stream(streams.current())
     with streams.on(stream):

@@ -78,6 +78,13 @@ def group_of(param: torch.Tensor) -> ParamGroup | None:
     return group if group is not None and id(param) in group.sharded_ids else None
 
 
+def promoted_dtype(dtypes: list[torch.dtype]) -> torch.dtype:
+    """torch's promotion of a mixed group's dtypes ([Note: Mixed dtypes]), leaving out the one-byte floats it
+    does not promote (float8: frozen quantized weights, which have no gradient to reduce)."""
+    promotable = [d for d in dtypes if not (d.is_floating_point and d.itemsize == 1)] or dtypes[:1]
+    return functools.reduce(torch.promote_types, promotable)
+
+
 class ParamGroup:
     """The parameters of one ``fully_shard`` call.
 
@@ -109,7 +116,7 @@ class ParamGroup:
         # Parameters of several dtypes ([Note: Mixed dtypes]): byte buffers with typed views.
         self.mixed = len({p.orig_dtype for p in params}) > 1
         if self.mixed:
-            orig_dtype = functools.reduce(torch.promote_types, (p.orig_dtype for p in params))
+            orig_dtype = promoted_dtype([p.orig_dtype for p in params])
         self._policy_dtypes = (compute_dtype, reduce_dtype)
         self.compute_dtype = compute_dtype or orig_dtype
         self.reduce_dtype = reduce_dtype or self.compute_dtype
@@ -255,9 +262,9 @@ class ParamGroup:
         if self.stale or self.on_meta:
             on_meta = [p.fqn for p in self.params if p.sharded.to_local().device.type == "meta"]
             if on_meta or self.on_meta:
-                names = ", ".join(on_meta or [p.fqn for p in self.params])
                 raise MetaParameterError(
-                    f"parameters of {self.label or 'the module'} are still on the meta device ({names}); call "
+                    "FSDP parameters should be materialized from meta device before training, but the following "
+                    f"were still on meta device: {on_meta or [p.fqn for p in self.params]}; call "
                     "model.to_empty(device=...) and initialise them (e.g. reset_parameters()) before the first forward"
                 )
             devices = ", ".join(f"{p.fqn} on {p.sharded.to_local().device}" for p in self.params)
@@ -442,7 +449,7 @@ class ParamGroup:
             p.orig_dtype = loc.dtype
         self.mixed = len({loc.dtype for loc in locals_}) > 1
         if self.mixed:
-            dtype = functools.reduce(torch.promote_types, (loc.dtype for loc in locals_))
+            dtype = promoted_dtype([loc.dtype for loc in locals_])
         flat = self._new_flat_shard(dtype, device, torch.zeros, pin)
         for p, loc, chunk in zip(self.params, locals_, self.chunks(flat)):
             if device.type != "meta":

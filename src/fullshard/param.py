@@ -33,14 +33,20 @@ class ParamSite:
 
 
 def full_tensor(value: DTensor) -> torch.Tensor:
-    """``value.full_tensor()``, also for a CPU-offloaded local piece on an accelerator mesh (gathered there)."""
+    """``value.full_tensor()``, also for a CPU-offloaded local piece on an accelerator mesh (gathered there), and
+    for float8 (gathered as bytes: gloo has no float8 type)."""
     mesh = value.device_mesh
     local = value.to_local()
-    if local.device.type != mesh.device_type:
-        accelerator = torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
-        value = DTensor.from_local(local.to(accelerator), mesh, value.placements, run_check=False,
-                                   shape=value.shape, stride=value.stride())
-    return value.full_tensor()
+    as_bytes = local.is_floating_point() and local.element_size() == 1
+    if local.device.type != mesh.device_type or as_bytes:
+        device = local.device
+        if device.type != mesh.device_type:
+            device = torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
+        local = local.to(device)
+        value = DTensor.from_local(local.view(torch.uint8) if as_bytes else local, mesh, value.placements,
+                                   run_check=False, shape=value.shape, stride=value.stride())
+    full = value.full_tensor()
+    return full.view(local.dtype) if as_bytes else full
 
 
 # Attribute a sharded gradient the reduce-scatter delivered fresh carries: a FlatGrad, the same
