@@ -7,6 +7,7 @@ group sees its dp group's batch). Widths are odd, so both the TP split and the F
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -273,3 +274,84 @@ def _same_batch_on_tp_ranks(rank: int, world_size: int) -> None:
 def test_full_gradients_identical_on_every_rank() -> None:
     run_ranks(4, _same_batch_on_tp_ranks)
 
+
+
+# ---- parameters on another mesh (mixture of experts) ---------------------------------------------------
+
+N_EXPERTS = 4
+
+
+class Experts(nn.Module):
+    """Expert weights sharded over "ep"; each rank applies its own experts (standing in for routing + all-to-all)."""
+
+    def __init__(self, ep_mesh: DeviceMesh) -> None:
+        super().__init__()
+        self.w = nn.Parameter(distribute_tensor(torch.randn(N_EXPERTS, DIM + 1, DIM + 1) / 3, ep_mesh, [Shard(0)]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum((x @ expert for expert in self.w.to_local()), torch.zeros_like(x))
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, ep_mesh: DeviceMesh) -> None:
+        super().__init__()
+        self.proj = nn.Linear(DIM + 1, DIM + 1)
+        self.experts = Experts(ep_mesh)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts(torch.relu(self.proj(x)))
+
+
+def _experts_on_another_mesh(rank: int, world_size: int) -> None:
+    """FSDP2's ShardPlacementResult, as torchtitan shards a mixture of experts: in one fully_shard call per block,
+    the expert weights over the ranks outside their expert-parallel group ("edp"), the rest over every rank."""
+    fsdp_common = pytest.importorskip("torch.distributed.fsdp._fully_shard._fsdp_common")
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    dp = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    experts_mesh = dp._unflatten(0, (2, world_size // 2), ("edp", "ep"))
+    dp_info = fsdp_common.FSDPMeshInfo(dp, shard_mesh_dim=0)
+    edp_info = fsdp_common.FSDPMeshInfo(experts_mesh["edp"], shard_mesh_dim=0)
+
+    def build(shard: Any) -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(MoEBlock(experts_mesh["ep"]), MoEBlock(experts_mesh["ep"]))
+        for block in model:
+            experts = set(block.experts.parameters())
+            shard(block, mesh=dp, shard_placement_fn=lambda p, experts=experts: fsdp_common.ShardPlacementResult(
+                placement=Shard(0), mesh_info=edp_info if p in experts else dp_info))
+        shard(model, mesh=dp)
+        return model
+
+    models = [build(fully_shard), build(torch_fully_shard)]
+    layouts = [[(n, p.device_mesh.mesh_dim_names, p.placements, p.to_local().shape) for n, p in m.named_parameters()]
+               for m in models]
+    assert layouts[0] == layouts[1]
+    experts_layout = next(entry for entry in layouts[0] if entry[0] == "0.experts.w")
+    assert experts_layout[1:3] == (("edp", "ep"), (_StridedShard(0, split_factor=2), Shard(0)))
+    optims = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        x = [torch.randn(3, DIM + 1, generator=gen) for _ in range(world_size)][rank]
+        losses = [m(x).square().mean() for m in models]
+        for loss in losses:
+            loss.backward()
+        assert torch.equal(*losses)
+        for (name, ours), theirs in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
+            assert torch.equal(ours.grad.to_local(), theirs.grad.to_local()), name
+        for opt in optims:
+            opt.step()
+            opt.zero_grad()
+    rec = CommRecorder(models[0])
+    models[0](x).sum().backward()
+    rec.close()
+    assert rec.all_gather_sizes.count(2) == 4 and rec.all_gather_sizes.count(4) == 4  # experts' over edp, the rest
+    mixed = nn.Sequential(nn.Linear(4, 4))  # weight over edp, bias over dp: one module, two meshes
+    with pytest.raises(NotImplementedError, match=r"puts \['0.weight'\] on another mesh"):
+        fully_shard(mixed, mesh=dp, shard_placement_fn=lambda p: fsdp_common.ShardPlacementResult(
+            placement=None, mesh_info=edp_info if p.dim() == 2 else dp_info))
+    assert not isinstance(mixed, fullshard.FSDPModule)
+
+
+def test_experts_on_another_mesh_match_torch() -> None:
+    run_ranks(4, _experts_on_another_mesh)

@@ -149,6 +149,11 @@ def shard_modules(
     mesh_info = mesh_info_of()
     _install_optimizer_hooks()
     device = mesh_device(mesh_info.mesh)
+    if shard_placement_fn is not None:
+        shard_placement_fn = _shard_on_other_meshes(
+            modules, mesh_info, shard_placement_fn, set(ignored_params or ()), reshard_after_forward=reshard_after_forward,
+            mp_policy=mp_policy, offload_policy=offload_policy, ignored_params=ignored_params, comm_policy=comm_policy,
+        )
     reshard_after_forward, post_forward_size = _resolve_reshard_after_forward(reshard_after_forward, mesh_info)
 
     managed = _managed_modules(modules)
@@ -222,6 +227,95 @@ def shard_modules(
     for mod in modules:
         _become_fsdp_module(mod)
     return module
+
+
+# [Note: Parameters on another mesh]
+# FSDP2's shard_placement_fn may return a ShardPlacementResult: a placement and a mesh of
+# its own for some parameters of the call (a mixture of experts' weights, sharded over
+# the ranks outside their expert-parallel group, beside the block's other weights sharded
+# over all data-parallel ranks). fullshard gives those parameters a fully_shard group of
+# their own, made first, on the largest submodules that hold only them (a list group when
+# they are several): its collectives run over that mesh, and it unshards when those
+# submodules run, inside the block's forward and backward. The call's own group takes the
+# rest. Parameters of two meshes in one module cannot be split so and raise.
+
+
+def _shard_on_other_meshes(
+    modules: list[nn.Module], mesh_info: MeshInfo, shard_placement_fn: Callable[[nn.Parameter], Any],
+    ignored: set[torch.Tensor], **kwargs: Any,
+) -> _ShardPlacementFn:
+    """Shard the parameters ``shard_placement_fn`` puts on another mesh in groups of their own ([Note: Parameters
+    on another mesh]); return the placement function for the rest (each parameter's placement, asked once)."""
+    placements: dict[torch.Tensor, Shard | None] = {}
+    elsewhere: dict[tuple[Any, Any], tuple[MeshInfo, list[torch.Tensor]]] = {}
+
+    def placement_of(param: nn.Parameter, fqn: str = "") -> Any:
+        if param not in placements:
+            result = shard_placement_fn(param)
+            info = _mesh_info_of_result(result, fqn)
+            placements[param] = result.placement if info is not None else result
+            if info is not None and (info.shard_group, info.replicate_group) != (mesh_info.shard_group,
+                                                                                 mesh_info.replicate_group):
+                elsewhere.setdefault((info.shard_group, info.replicate_group), (info, []))[1].append(param)
+        return placements[param]
+
+    for prefix, mod in _managed_modules(modules):
+        for name, param in mod.named_parameters(recurse=False):
+            if param not in ignored and param.dim() > 0:  # (0-dim parameters are replicated, never placed)
+                placement_of(param, f"{prefix}.{name}" if prefix else name)
+    for info, params in elsewhere.values():
+        holders = _modules_holding_only(modules, set(params), ignored)
+        shard_modules(holders if len(holders) > 1 else holders[0], lambda: info,
+                      shard_placement_fn=placement_of, **kwargs)
+    return placement_of
+
+
+def _mesh_info_of_result(result: object, fqn: str) -> MeshInfo | None:
+    """The mesh of a ``ShardPlacementResult`` (torch's, with an ``FSDPMeshInfo``); None for a Shard or None."""
+    info = getattr(result, "mesh_info", None)
+    if info is None or not hasattr(result, "placement"):
+        return None
+    if getattr(info, "dp_mesh_dims", None) is not None:
+        raise UnsupportedError(f"shard_placement_fn put {fqn!r} on an SPMD mesh (dp_mesh_dims); not supported")
+    return MeshInfo(info.mesh, shard_axis=getattr(info, "shard_mesh_dim", None),
+                    replicate_axis=getattr(info, "replicate_mesh_dim", None))
+
+
+def _modules_holding_only(modules: list[nn.Module], params: set[torch.Tensor], ignored: set[torch.Tensor]) -> list[nn.Module]:
+    """The largest submodules of ``modules`` (not the modules themselves) whose parameters not yet sharded are all
+    in ``params``; raise unless they hold every one."""
+    inside: dict[nn.Module, set[torch.Tensor]] = {}  # each module's parameters not yet sharded, its subtree's
+
+    def collect(mod: nn.Module) -> set[torch.Tensor]:
+        if mod not in inside:
+            own: set[torch.Tensor] = {p for _, p in mod.named_parameters(recurse=False) if p not in ignored}
+            sharded = state_of(mod) is not None and mod not in modules
+            inside[mod] = set() if sharded else own.union(*(collect(child) for child in mod.children()))
+        return inside[mod]
+
+    found: list[nn.Module] = []
+
+    def pick(mod: nn.Module) -> None:
+        if mod not in modules and inside[mod] and inside[mod] <= params:
+            if mod not in found:
+                found.append(mod)
+        elif inside[mod]:
+            for child in mod.children():
+                pick(child)
+
+    for mod in modules:
+        collect(mod)
+        pick(mod)
+    covered = {p for mod in found for _, p in mod.named_parameters()}
+    missing = params - covered
+    if missing:
+        names = sorted(n for mod in modules for n, p in mod.named_parameters() if p in missing)
+        raise UnsupportedError(
+            f"shard_placement_fn puts {names} on another mesh than the rest of the fully_shard call, but they "
+            "share a module with parameters of the call's mesh; fullshard shards them in a group of their own, "
+            "which needs submodules that hold only them (e.g. the experts of a mixture-of-experts block)"
+        )
+    return found
 
 
 def _resolve_reshard_after_forward(value: bool | int | None, mesh_info: MeshInfo) -> tuple[bool | None, int | None]:
