@@ -271,6 +271,12 @@ def _bad_input(rank: int, world_size: int) -> None:
         with pytest.raises(ValueError, match=message):
             fully_shard(module, mesh=mesh, dp_mesh_dims=case_dims)
         assert dict(module.named_parameters()) == before and not isinstance(module, fullshard.FSDPModule)
+    tied = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False))
+    distribute_module(tied, mesh)
+    tied[1].weight = tied[0].weight
+    fully_shard(tied[0], mesh=mesh, dp_mesh_dims=dims)
+    with pytest.raises(ValueError, match="is a DTensor .* a tie across fully_shard groups is supported for plain"):
+        fully_shard(tied, mesh=mesh, dp_mesh_dims=dims)  # (FSDP2 raises a ValueError at the first forward)
     with pytest.raises(ValueError, match="names a mesh axis twice"):
         fully_shard(on(mesh, [Replicate()]), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="fsdp", replicate="fsdp"))
 

@@ -7,7 +7,6 @@ group sees its dp group's batch). Widths are odd, so both the TP split and the F
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -303,8 +302,10 @@ class MoEBlock(nn.Module):
 
 
 def _experts_on_another_mesh(rank: int, world_size: int) -> None:
-    """FSDP2's ShardPlacementResult, as torchtitan shards a mixture of experts: in one fully_shard call per block,
-    the expert weights over the ranks outside their expert-parallel group ("edp"), the rest over every rank."""
+    """A mixture of experts, torchtitan's way on FSDP2: one fully_shard call per block whose shard_placement_fn returns
+    ShardPlacementResults, the experts over the ranks outside their expert-parallel group ("edp"), the rest over
+    every rank. fullshard shards over one mesh per call: the experts get a call of their own first, with the same
+    meshes, placements, gradients and values."""
     fsdp_common = pytest.importorskip("torch.distributed.fsdp._fully_shard._fsdp_common")
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
@@ -313,17 +314,22 @@ def _experts_on_another_mesh(rank: int, world_size: int) -> None:
     dp_info = fsdp_common.FSDPMeshInfo(dp, shard_mesh_dim=0)
     edp_info = fsdp_common.FSDPMeshInfo(experts_mesh["edp"], shard_mesh_dim=0)
 
-    def build(shard: Any) -> nn.Module:
+    def build(ours: bool) -> nn.Module:
         torch.manual_seed(0)
         model = nn.Sequential(MoEBlock(experts_mesh["ep"]), MoEBlock(experts_mesh["ep"]))
         for block in model:
             experts = set(block.experts.parameters())
-            shard(block, mesh=dp, shard_placement_fn=lambda p, experts=experts: fsdp_common.ShardPlacementResult(
-                placement=Shard(0), mesh_info=edp_info if p in experts else dp_info))
-        shard(model, mesh=dp)
+            if ours:
+                fully_shard(block.experts, mesh=experts_mesh["edp"])
+                fully_shard(block, mesh=dp, shard_placement_fn=lambda p: fsdp_common.ShardPlacementResult(
+                    placement=Shard(0), mesh_info=dp_info))  # (its own mesh: accepted)
+            else:
+                torch_fully_shard(block, mesh=dp, shard_placement_fn=lambda p, e=experts: fsdp_common.ShardPlacementResult(
+                    placement=Shard(0), mesh_info=edp_info if p in e else dp_info))
+        (fully_shard if ours else torch_fully_shard)(model, mesh=dp)
         return model
 
-    models = [build(fully_shard), build(torch_fully_shard)]
+    models = [build(ours=True), build(ours=False)]
     layouts = [[(n, p.device_mesh.mesh_dim_names, p.placements, p.to_local().shape) for n, p in m.named_parameters()]
                for m in models]
     assert layouts[0] == layouts[1]
@@ -342,15 +348,11 @@ def _experts_on_another_mesh(rank: int, world_size: int) -> None:
         for opt in optims:
             opt.step()
             opt.zero_grad()
-    rec = CommRecorder(models[0])
-    models[0](x).sum().backward()
-    rec.close()
-    assert rec.all_gather_sizes.count(2) == 4 and rec.all_gather_sizes.count(4) == 4  # experts' over edp, the rest
-    mixed = nn.Sequential(nn.Linear(4, 4))  # weight over edp, bias over dp: one module, two meshes
-    with pytest.raises(NotImplementedError, match=r"puts \['0.weight'\] on another mesh"):
-        fully_shard(mixed, mesh=dp, shard_placement_fn=lambda p: fsdp_common.ShardPlacementResult(
-            placement=None, mesh_info=edp_info if p.dim() == 2 else dp_info))
-    assert not isinstance(mixed, fullshard.FSDPModule)
+    block = MoEBlock(experts_mesh["ep"])  # both meshes in one call: refused, the block unchanged
+    with pytest.raises(NotImplementedError, match="shard_placement_fn put 'experts.w' on another mesh"):
+        fully_shard(block, mesh=dp, shard_placement_fn=lambda p: fsdp_common.ShardPlacementResult(
+            placement=Shard(0), mesh_info=edp_info if p.dim() == 3 else dp_info))
+    assert not isinstance(block, fullshard.FSDPModule) and not isinstance(block.experts.w.placements[0], _StridedShard)
 
 
 def test_experts_on_another_mesh_match_torch() -> None:

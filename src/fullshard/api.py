@@ -149,11 +149,6 @@ def shard_modules(
     mesh_info = mesh_info_of()
     _install_optimizer_hooks()
     device = mesh_device(mesh_info.mesh)
-    if shard_placement_fn is not None:
-        shard_placement_fn = _shard_on_other_meshes(
-            modules, mesh_info, shard_placement_fn, set(ignored_params or ()), reshard_after_forward=reshard_after_forward,
-            mp_policy=mp_policy, offload_policy=offload_policy, ignored_params=ignored_params, comm_policy=comm_policy,
-        )
     reshard_after_forward, post_forward_size = _resolve_reshard_after_forward(reshard_after_forward, mesh_info)
 
     managed = _managed_modules(modules)
@@ -189,9 +184,10 @@ def shard_modules(
             sites[tied_source].extend(site for site in sp.sites if site not in sites[tied_source])
 
     params = list(sites)
-    _check_params([p for p in params if p not in ties], fqns, device, mesh_info)
     tp_params = {p for p in params if _is_tensor_parallel(p, ties)}
+    # (placements first: a parameter put on another mesh is refused as such, not for what that mesh implies)
     layouts = {p: _layout(p, fqns[p], shard_placement_fn, mesh_info, p in tp_params) for p in params}
+    _check_params([p for p in params if p not in ties], fqns, device, mesh_info)
     tp = {p: TensorParallel.of(cast(DTensor, p), mesh_info, layouts[p].shard_dim) for p in tp_params}
     leaving = _check_ties(members, below, layouts, mesh_info, fqns)
     streams = CommStreams(device)
@@ -227,95 +223,6 @@ def shard_modules(
     for mod in modules:
         _become_fsdp_module(mod)
     return module
-
-
-# [Note: Parameters on another mesh]
-# FSDP2's shard_placement_fn may return a ShardPlacementResult: a placement and a mesh of
-# its own for some parameters of the call (a mixture of experts' weights, sharded over
-# the ranks outside their expert-parallel group, beside the block's other weights sharded
-# over all data-parallel ranks). fullshard gives those parameters a fully_shard group of
-# their own, made first, on the largest submodules that hold only them (a list group when
-# they are several): its collectives run over that mesh, and it unshards when those
-# submodules run, inside the block's forward and backward. The call's own group takes the
-# rest. Parameters of two meshes in one module cannot be split so and raise.
-
-
-def _shard_on_other_meshes(
-    modules: list[nn.Module], mesh_info: MeshInfo, shard_placement_fn: Callable[[nn.Parameter], Any],
-    ignored: set[torch.Tensor], **kwargs: Any,
-) -> _ShardPlacementFn:
-    """Shard the parameters ``shard_placement_fn`` puts on another mesh in groups of their own ([Note: Parameters
-    on another mesh]); return the placement function for the rest (each parameter's placement, asked once)."""
-    placements: dict[torch.Tensor, Shard | None] = {}
-    elsewhere: dict[tuple[Any, Any], tuple[MeshInfo, list[torch.Tensor]]] = {}
-
-    def placement_of(param: nn.Parameter, fqn: str = "") -> Any:
-        if param not in placements:
-            result = shard_placement_fn(param)
-            info = _mesh_info_of_result(result, fqn)
-            placements[param] = result.placement if info is not None else result
-            if info is not None and (info.shard_group, info.replicate_group) != (mesh_info.shard_group,
-                                                                                 mesh_info.replicate_group):
-                elsewhere.setdefault((info.shard_group, info.replicate_group), (info, []))[1].append(param)
-        return placements[param]
-
-    for prefix, mod in _managed_modules(modules):
-        for name, param in mod.named_parameters(recurse=False):
-            if param not in ignored and param.dim() > 0:  # (0-dim parameters are replicated, never placed)
-                placement_of(param, f"{prefix}.{name}" if prefix else name)
-    for info, params in elsewhere.values():
-        holders = _modules_holding_only(modules, set(params), ignored)
-        shard_modules(holders if len(holders) > 1 else holders[0], lambda: info,
-                      shard_placement_fn=placement_of, **kwargs)
-    return placement_of
-
-
-def _mesh_info_of_result(result: object, fqn: str) -> MeshInfo | None:
-    """The mesh of a ``ShardPlacementResult`` (torch's, with an ``FSDPMeshInfo``); None for a Shard or None."""
-    info = getattr(result, "mesh_info", None)
-    if info is None or not hasattr(result, "placement"):
-        return None
-    if getattr(info, "dp_mesh_dims", None) is not None:
-        raise UnsupportedError(f"shard_placement_fn put {fqn!r} on an SPMD mesh (dp_mesh_dims); not supported")
-    return MeshInfo(info.mesh, shard_axis=getattr(info, "shard_mesh_dim", None),
-                    replicate_axis=getattr(info, "replicate_mesh_dim", None))
-
-
-def _modules_holding_only(modules: list[nn.Module], params: set[torch.Tensor], ignored: set[torch.Tensor]) -> list[nn.Module]:
-    """The largest submodules of ``modules`` (not the modules themselves) whose parameters not yet sharded are all
-    in ``params``; raise unless they hold every one."""
-    inside: dict[nn.Module, set[torch.Tensor]] = {}  # each module's parameters not yet sharded, its subtree's
-
-    def collect(mod: nn.Module) -> set[torch.Tensor]:
-        if mod not in inside:
-            own: set[torch.Tensor] = {p for _, p in mod.named_parameters(recurse=False) if p not in ignored}
-            sharded = state_of(mod) is not None and mod not in modules
-            inside[mod] = set() if sharded else own.union(*(collect(child) for child in mod.children()))
-        return inside[mod]
-
-    found: list[nn.Module] = []
-
-    def pick(mod: nn.Module) -> None:
-        if mod not in modules and inside[mod] and inside[mod] <= params:
-            if mod not in found:
-                found.append(mod)
-        elif inside[mod]:
-            for child in mod.children():
-                pick(child)
-
-    for mod in modules:
-        collect(mod)
-        pick(mod)
-    covered = {p for mod in found for _, p in mod.named_parameters()}
-    missing = params - covered
-    if missing:
-        names = sorted(n for mod in modules for n, p in mod.named_parameters() if p in missing)
-        raise UnsupportedError(
-            f"shard_placement_fn puts {names} on another mesh than the rest of the fully_shard call, but they "
-            "share a module with parameters of the call's mesh; fullshard shards them in a group of their own, "
-            "which needs submodules that hold only them (e.g. the experts of a mixture-of-experts block)"
-        )
-    return found
 
 
 def _resolve_reshard_after_forward(value: bool | int | None, mesh_info: MeshInfo) -> tuple[bool | None, int | None]:
@@ -431,6 +338,12 @@ def _check_ties(
         for sp in sharing:
             group = below[sp].group
             assert group is not None
+            if sp.tp is not None:
+                raise ValueError(
+                    f"parameter {fqns[source]!r} is tied to {sp.fqn!r} of the fully_shard group of {group.label!r} "
+                    "and is a DTensor (tensor parallel, or on an SPMD mesh); a tie across fully_shard groups is "
+                    "supported for plain parameters: shard the modules sharing it in one fully_shard call"
+                )
             if sp.mesh_info.mesh != mesh_info.mesh or sp.layout != layouts[source]:
                 raise ValueError(
                     f"parameter {fqns[source]!r} is tied to {sp.fqn!r} of the fully_shard group of "
@@ -547,6 +460,8 @@ def _layout(
     if param.dim() == 0:  # whole on every rank ([Note: Replicated scalars] in layout.py); nothing to place
         return ParamLayout((), 0, mesh_info.shard_size)
     placement = shard_placement_fn(cast(nn.Parameter, param)) if shard_placement_fn is not None else None
+    if hasattr(placement, "mesh_info") and hasattr(placement, "placement"):
+        placement = _on_own_mesh(placement, fqn, mesh_info)
     if placement is None:
         dim = 0
     elif isinstance(placement, Shard):
@@ -575,6 +490,21 @@ def _layout(
             f"parameter {fqn!r}: all-gather extensions are supported on dim-0 sharding without tensor parallel"
         )
     return layout
+
+
+def _on_own_mesh(result: Any, fqn: str, mesh_info: MeshInfo) -> Any:
+    """The placement of FSDP2's ``ShardPlacementResult`` when its mesh is the call's (the same process groups)."""
+    info = result.mesh_info
+    shard_axis, replicate_axis = getattr(info, "shard_mesh_dim", None), getattr(info, "replicate_mesh_dim", None)
+    groups = tuple(None if axis is None else info.mesh.get_group(axis) for axis in (shard_axis, replicate_axis))
+    if mesh_info.spmd is None and groups == (mesh_info.shard_group, mesh_info.replicate_group):
+        return result.placement
+    raise UnsupportedError(
+        f"shard_placement_fn put {fqn!r} on another mesh ({info.mesh}) than the fully_shard call's "
+        f"({mesh_info.mesh}) with a ShardPlacementResult; one call shards over one mesh here: shard the modules "
+        "holding those parameters first with a fully_shard call of their own on that mesh (e.g. "
+        "fully_shard(block.experts, mesh=experts_mesh)), then the block"
+    )
 
 
 class FSDPModule:

@@ -244,9 +244,10 @@ class TensorParallel:
         """The local tensor of an unsharded gradient, brought to the parameter's TP placements first."""
         if not isinstance(grad, DTensor):
             return grad
-        # On the data-parallel axes (dp_mesh_dims) a gradient stays as it is: the reduce-scatter sums the local
-        # tensors there, a Partial one's included, as for any gradient
-        target = tuple(g if axis in self.dp_axes else p
+        # On the data-parallel axes (dp_mesh_dims) a Replicate or Partial gradient stays as it is: the reduce-scatter
+        # sums the local tensors there, as for any gradient. A Shard one is gathered first (each rank needs a whole
+        # local tensor to reduce).
+        target = tuple(p if axis not in self.dp_axes else Replicate() if g.is_shard() else g
                        for axis, (g, p) in enumerate(zip(grad.placements, self.spec.placements, strict=True)))
         if grad.placements != target:
             grad = grad.redistribute(self.spec.mesh, target)
