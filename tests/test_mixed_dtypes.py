@@ -141,33 +141,49 @@ def test_parameter_assigned_after_fully_shard_then_loaded() -> None:
     run_ranks(2, _assigned_then_loaded)
 
 
+class Dequantize(nn.Module):
+    """A frozen float8 weight (quantized, scaled back in forward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Parameter((torch.randn(12, 12) * 4).to(torch.float8_e4m3fn), requires_grad=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h @ (self.q.to(h.dtype) / 4)
+
+
 class Float8Frozen(nn.Module):
-    """A frozen float8 weight (quantized, scaled back in forward) beside trainable fp32 layers."""
+    """A frozen float8 weight beside trainable fp32 layers."""
 
     def __init__(self) -> None:
         super().__init__()
         self.inp = nn.Linear(7, 12)
-        self.q = nn.Parameter((torch.randn(12, 12) * 4).to(torch.float8_e4m3fn), requires_grad=False)
+        self.dq = Dequantize()
         self.out = nn.Linear(12, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.relu(self.inp(x))
-        return self.out(h @ (self.q.to(h.dtype) / 4))
+        return self.out(self.dq(torch.relu(self.inp(x))))
 
 
-def _float8_frozen(rank: int, world_size: int, bf16: bool) -> None:
+def _float8_frozen(rank: int, world_size: int, bf16: bool, alone: bool) -> None:
     def shard(model: nn.Module) -> None:
-        fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=BF16) if bf16 else MixedPrecisionPolicy())
+        policy = MixedPrecisionPolicy(param_dtype=BF16) if bf16 else MixedPrecisionPolicy()
+        if alone:
+            fully_shard(model.dq, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
 
     tol = BF16_TOL if bf16 else {}
     _, model = run_parity(rank, world_size, Float8Frozen, shard, regression_batch, mse_loss, steps=3, **tol)
-    assert model.q.dtype == torch.float8_e4m3fn and model.q.grad is None and state_of(model).group.mixed
+    q = model.dq.q
+    assert q.dtype == torch.float8_e4m3fn and q.grad is None and state_of(model.dq if alone else model).group.mixed != alone
     torch.manual_seed(0)
-    rows = Float8Frozen().q.chunk(world_size)[rank]  # (compared as bytes: gloo does not gather float8)
-    assert torch.equal(model.q.to_local().view(torch.uint8), rows.view(torch.uint8))
+    rows = Float8Frozen().dq.q.chunk(world_size)[rank]  # (compared as bytes: gloo does not gather float8)
+    assert torch.equal(q.to_local().view(torch.uint8), rows.view(torch.uint8))
 
 
-@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-compute"])
-def test_frozen_float8_parameter_beside_trainable_ones(bf16: bool) -> None:
-    """torch's promotion refuses float8, which a mixed group's reduce dtype used to come from."""
-    run_ranks(2, _float8_frozen, bf16)
+@pytest.mark.parametrize(("bf16", "alone"), [(False, False), (True, False), (False, True)],
+                         ids=["fp32", "bf16-compute", "float8-group"])
+def test_frozen_float8_parameter_beside_trainable_ones(bf16: bool, alone: bool) -> None:
+    """torch's promotion refuses float8, which a mixed group's reduce dtype used to come from; gloo has no float8
+    type, so a group of float8 alone all-gathers bytes."""
+    run_ranks(2, _float8_frozen, bf16, alone)
