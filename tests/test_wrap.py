@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchModuleWrapPolicy
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -97,6 +98,9 @@ def _bad_policies(rank: int, world_size: int) -> None:
         shard_model(Transformer(), mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, keep_low_precision_grads=True))
     with pytest.raises(ValueError, match="has no parameters to shard"):
         shard_model(nn.Sequential(nn.ReLU()))
+    square = init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=("a", "b"))
+    with pytest.raises(ValueError, match="NO_SHARD needs a 1-D device_mesh, got 2 dimensions"):
+        shard_model(Transformer(), sharding_strategy=ShardingStrategy.NO_SHARD, device_mesh=square)
 
 
 def test_bad_policies_are_rejected() -> None:

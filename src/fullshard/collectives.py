@@ -64,6 +64,7 @@ import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
 from fullshard import failures
+from fullshard.layout import is_float8
 
 ALIGN = 16  # bytes: where each tensor of a packed all-gather starts
 
@@ -271,7 +272,7 @@ def _issue_all_gather(
     ticket = streams.issued("all-gather", label, inp.numel(), group)
     if comm is not None:
         work = comm(output, inp, group, async_op=True)
-    elif inp.is_floating_point() and inp.element_size() == 1:  # float8 as bytes: gloo has no float8 type
+    elif is_float8(inp.dtype):  # as bytes: gloo has no float8 type
         work = all_gather_single(output.view(torch.uint8), inp.view(torch.uint8), group=group, async_op=True)
     else:
         work = all_gather_single(output, inp, group=group, async_op=True)

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from fullshard.codec import Codec
 from fullshard.collectives import CommStreams, PendingCollective, all_gather, all_gather_packed, broadcast, unpack
 from fullshard.errors import MetaParameterError
-from fullshard.layout import GroupLayout, ParamLayout
+from fullshard.layout import GroupLayout, ParamLayout, is_float8
 from fullshard.mesh import MeshInfo
 from fullshard.param import (
     ShardedParam,
@@ -81,7 +81,7 @@ def group_of(param: torch.Tensor) -> ParamGroup | None:
 def promoted_dtype(dtypes: list[torch.dtype]) -> torch.dtype:
     """torch's promotion of a mixed group's dtypes ([Note: Mixed dtypes]), leaving out the one-byte floats it
     does not promote (float8: frozen quantized weights, which have no gradient to reduce)."""
-    promotable = [d for d in dtypes if not (d.is_floating_point and d.itemsize == 1)] or dtypes[:1]
+    promotable = [d for d in dtypes if not is_float8(d)] or dtypes[:1]
     return functools.reduce(torch.promote_types, promotable)
 
 

@@ -74,6 +74,8 @@ import math
 from dataclasses import dataclass
 from functools import cached_property
 
+import torch
+
 
 @dataclass(frozen=True)
 class ParamLayout:
@@ -208,3 +210,8 @@ class GroupLayout:
         if len(keep) != len(self.params):
             raise ValueError(f"mask of length {len(keep)} for {len(self.params)} parameters")
         return GroupLayout(tuple(p for p, k in zip(self.params, keep) if k))
+
+
+def is_float8(dtype: torch.dtype) -> bool:
+    """A one-byte float: torch does not promote it and gloo cannot carry it, so fullshard moves its bytes."""
+    return dtype.is_floating_point and dtype.itemsize == 1

@@ -16,7 +16,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from fullshard.errors import UnsupportedError
-from fullshard.layout import ParamLayout
+from fullshard.layout import ParamLayout, is_float8
 from fullshard.mesh import MeshInfo, SpmdMesh, concatenate_meshes
 
 
@@ -37,7 +37,7 @@ def full_tensor(value: DTensor) -> torch.Tensor:
     for float8 (gathered as bytes: gloo has no float8 type)."""
     mesh = value.device_mesh
     local = value.to_local()
-    as_bytes = local.is_floating_point() and local.element_size() == 1
+    as_bytes = is_float8(local.dtype)
     if local.device.type != mesh.device_type or as_bytes:
         device = local.device
         if device.type != mesh.device_type:
