@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.distributed.tensor import Replicate
 
 import fullshard
 from fullshard import (
@@ -58,6 +59,10 @@ FULLY_SHARD: list[tuple[str, Callable[[nn.Module], Any], type[Exception], str]] 
      "it should be a factor of 2, not 3"),
     ("shard_placement_fn", lambda m: fully_shard(m, shard_placement_fn=3), TypeError,
      "shard_placement_fn must be callable or None, got int"),
+    ("shard_placement_fn result", lambda m: fully_shard(m, shard_placement_fn=lambda p: Replicate()), ValueError,
+     r"shard_placement_fn must return a Shard or None, got Replicate\(\) for '0.weight'"),
+    ("module listed twice", lambda m: fully_shard([m[0], m[2], m[0]]), AssertionError,
+     r"fully_shard got the same Linear twice in its list of modules \(index 2\)"),
     ("mp_policy type", lambda m: fully_shard(m, mp_policy="bf16"), TypeError, "mp_policy must be a MixedPrecisionPolicy"),
     ("mp_policy dtype", lambda m: fully_shard(m, mp_policy=MixedPrecisionPolicy(param_dtype="bf16")), ValueError,
      "MixedPrecisionPolicy.param_dtype must be a floating-point"),

@@ -32,7 +32,7 @@ def two_micro_batches(mode: str, world_size: int, model: nn.Module, tokens: torc
         pass  # both backwards reduce; the second adds into the sharded gradients of the first
     elif mode == "no_all_reduce":
         model.set_requires_all_reduce(False)
-    elif mode == "not_last_backward":
+    elif mode in ("not_last_backward", "never_last_backward"):
         model.set_is_last_backward(False)
     else:
         model.set_requires_gradient_sync(False)
@@ -41,9 +41,13 @@ def two_micro_batches(mode: str, world_size: int, model: nn.Module, tokens: torc
     lm_loss(model, first).backward()
     if mode == "no_all_reduce":
         assert all(p.grad is None for p in model.parameters()), "partial sums must not show as gradients"
+    if mode in ("synced", "not_last_backward", "never_last_backward"):
+        missing = [n for n, p in model.named_parameters() if p.grad is None]
+        assert not missing, f"a backward that reduced must assign its gradients: {missing}"
     model.set_requires_gradient_sync(True)
     model.set_requires_all_reduce(True)
-    model.set_is_last_backward(True)
+    if mode != "never_last_backward":  # then every backward of every step runs with the flag False
+        model.set_is_last_backward(True)
     if mode != "keep_unsharded":
         return lm_loss(model, second)
     assert all(state_of(b).group.state is ShardedState.UNSHARDED for b in model.blocks)
@@ -81,7 +85,8 @@ def _accumulate(rank: int, world_size: int, mode: str) -> None:
 
 @pytest.mark.parametrize(
     ("mode", "world_size"),
-    [("no_sync", 2), ("keep_unsharded", 2), ("bf16", 2), ("not_last_backward", 2), ("no_all_reduce", 4), ("synced", 2)],
+    [("no_sync", 2), ("keep_unsharded", 2), ("bf16", 2), ("not_last_backward", 2), ("never_last_backward", 2),
+     ("no_all_reduce", 4), ("synced", 2)],
 )
 def test_accumulation_parity(mode: str, world_size: int) -> None:
     run_ranks(world_size, _accumulate, mode)

@@ -257,6 +257,12 @@ def _validate_modules(module: nn.Module | list[nn.Module]) -> list[nn.Module]:
                 f"fully_shard has already been applied to this {original_class(mod).__name__}. Each distinct "
                 "composable distributed API can only be applied to a module once. Shard children first, then the root."
             )
+    for i, mod in enumerate(modules):
+        if any(mod is other for other in modules[:i]):
+            raise AlreadyShardedError(
+                f"fully_shard got the same {type(mod).__name__} twice in its list of modules (index {i}). Each "
+                "distinct composable distributed API can only be applied to a module once."
+            )
     return modules
 
 
@@ -472,7 +478,7 @@ def _layout(
                 f"{placement} for {fqn!r} with shape {tuple(param.shape)}"
             )
     else:
-        raise TypeError(f"shard_placement_fn must return a Shard or None, got {placement!r} for {fqn!r}")
+        raise ValueError(f"shard_placement_fn must return a Shard or None, got {placement!r} for {fqn!r}")
     data = cast(DTensor, param).to_local() if tensor_parallel else param  # tensor parallel: its local piece
     layout = ParamLayout(tuple(data.shape), dim, mesh_info.shard_size)
     extension = hasattr(data, "fsdp_pre_all_gather") or hasattr(data, "fsdp_post_all_gather")
@@ -583,10 +589,10 @@ class FSDPModule:
             state.reshard_after_backward = reshard_after_backward
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """``False``: the next backward leaves its reductions in flight; the next last backward waits for all."""
+        """Accepted for FSDP2's code: every backward assigns the gradients it reduced ([Note: Last backward]
+        in runtime.py), so the flag changes nothing."""
         expect_bool("set_is_last_backward", "is_last_backward", is_last_backward)
-        state = self._get_hook_state()
-        (state.ctx or state.lazy_init()).is_last_backward = is_last_backward
+        self._get_hook_state()
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """``False``: backward needs no parameter of this group (e.g. an embedding), so skip its all-gather."""

@@ -139,10 +139,20 @@ def in_backward() -> bool:
 # face of a parameter (``keep_assigned`` in group.py), so no assignment is lost before a
 # root sees it. Taking over needs sharded groups: a group still unsharded (a forward
 # without backward) is resharded; a tie made to its unsharded parameter names the sharded
-# one afterwards. Reductions still in flight (``set_is_last_backward(False)``) are
-# completed first. Gradients that the other parameters accumulated (sharded, unreduced
-# under no-sync, or HSDP partial sums) stay through the relink; the assigned parameter
-# starts without one, as a new parameter does in PyTorch.
+# one afterwards. Reductions still in flight are completed first. Gradients that the
+# other parameters accumulated (sharded, unreduced under no-sync, or HSDP partial sums)
+# stay through the relink; the assigned parameter starts without one, as a new parameter
+# does in PyTorch.
+
+
+# [Note: Last backward]
+# Every backward ends with every gradient it reduced assigned, also after
+# set_is_last_backward(False): FSDP2 assigns them too and only lets its compute stream
+# run on without waiting for the last reduce-scatter. Leaving reductions in flight past
+# the backward instead left the groups reduced last (the root's, usually) without
+# gradients for the optimizer and clipping of that step, and added them into the next
+# step's. The flag is accepted and validated; on accelerators the next forward's kernels
+# queue behind the last reduce-scatter (a stream wait, the host does not block).
 
 
 class IterationContext:
@@ -163,7 +173,6 @@ class IterationContext:
         self.pending_reduces: list[PendingReduce] = []  # issued since the last drain, oldest first
         self.inputs_in_flight: deque[PendingReduce] = deque()  # whose reduce-scatter input is still held
         self.end_of_backward_queued = False
-        self.is_last_backward = True  # False: leave reductions in flight past this backward (micro-batching)
         self.graph_kept = False  # a backward with create_graph=True left groups unsharded ([Note: Double backward])
         self.post_optim_event: torch.Event | None = None
         self.registrations_seen = -1  # registrations.count when the states were last checked
@@ -268,8 +277,7 @@ class IterationContext:
                 state.training_state = TrainingState.IDLE
                 state.calls_awaiting_backward = 0
             self.graph_kept = keep
-            if self.is_last_backward:
-                self.drain_reduces()
+            self.drain_reduces()  # also when not the last backward: see [Note: Last backward]
             self.streams.host_wait(self.streams.h2d_done)  # the optimizer may write the pinned shards next
             self.streams.shards_written()
             self.end_of_backward_queued = False
