@@ -592,7 +592,7 @@ class FSDPModule:
         """Accepted for FSDP2's code: every backward assigns the gradients it reduced ([Note: Last backward]
         in runtime.py), so the flag changes nothing."""
         expect_bool("set_is_last_backward", "is_last_backward", is_last_backward)
-        self._get_hook_state()
+        self._get_hook_state()  # raises, as the other setters, on a module without a state
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """``False``: backward needs no parameter of this group (e.g. an embedding), so skip its all-gather."""
