@@ -10,7 +10,8 @@ scheduler, clipping, EMA, a DCP checkpoint saved mid-run and loaded at another w
 starts (built on the meta device and initialised after sharding, shard by shard or from rank 0's full state
 dict), a weight re-assigned as a ``DTensor`` after ``fully_shard``, explicit forward / backward prefetching, a
 block applied twice per forward and non-reentrant activation checkpoints inside or around the sharded blocks, and
-FSDP2's finer controls (2-D weights sharded on dim 1, ``set_reshard_after_backward(False)`` and
+FSDP2's finer controls (2-D weights sharded on dim 1, 1-D parameters on a mesh of their own through a
+``ShardPlacementResult``, ``set_reshard_after_backward(False)`` and
 ``set_is_last_backward(False)`` between micro-batches,
 ``set_gradient_divide_factor``, HSDP all-reduces on the last micro-batch only, ``register_fsdp_forward_method``,
 a mixed-precision ``output_dtype``).
@@ -121,6 +122,10 @@ class Case:
     strided: bool = False  # the first block's weight is a transpose (non-contiguous), as it is when sharded
     scalar: bool = False  # 0-dim parameters: a gate in block 0 and a temperature on the root (replicated)
     uneven1: bool = False  # with dim1: every 2-D weight on dim 1, its columns dividing among the ranks or not
+    other_mesh: str = "none"  # the blocks' 1-D parameters (biases, norms) on a mesh of their own over every rank,
+    # through a ShardPlacementResult, so each block's call forms two groups: none | hsdp (a (2, 2) or, at 2 ranks,
+    # a (1, 2) replicate x shard mesh; at 4 ranks with an HSDP call mesh, the 1-D mesh) | replicated (a (ws, 1)
+    # mesh: shard groups of one rank, all-reduced over all)
 
     def describe(self) -> str:
         plain = Case(self.seed)
@@ -151,14 +156,17 @@ class Case:
         views and inputs and on a double backward; reentrant checkpoints it trains, except around a block applied
         twice, whose gradients it gets wrong). A block applied twice with bf16 gradients accumulated over
         micro-batches: FSDP2 adds them in another order, and the sum of a few large bf16 terms can round a small
-        gradient apart by a unit of those terms, so only the reference compares. HSDP partial sums kept in bf16
+        gradient apart by a unit of those terms, so only the reference compares; the same with its 1-D parameters on a
+        mesh of their own (seed 9: one bf16 unit in a step-0 gradient near zero, which AdamW turns into a whole lr
+        step, 2.4e-4 apart in a step-1 gradient; fullshard within tolerance of the reference). HSDP partial sums kept in bf16
         over micro-batches likewise (seed 6319: both within 1.5e-3 of the reference, 1.7e-3 apart)."""
         return (self.tie in ("none", "within") and not self.zero_numel and not self.strided and not self.reassign_later
                 and not self.scalar and not self.uneven1
                 and self.branch != "ranks" and not self.mixed_dtype and self.optim in ("sgd", "adamw")
                 and self.clip != "fullshard" and not self.quantized
                 and not self.ema and self.resume_ws == 0 and self.user in ("none", "reentrant")
-                and not (self.reuse and (self.user == "reentrant" or (self.mp == "bf16" and self.accumulation > 1)))
+                and not (self.reuse and (self.user == "reentrant" or (self.mp == "bf16" and (
+                    self.accumulation > 1 or self.other_mesh != "none"))))
                 and not (self.all_reduce_last and self.mp == "bf16"))
 
     @property
@@ -275,8 +283,8 @@ def draw(seed: int) -> Case:
         kw.update(tie=rng.choice(["none", "within"]), zero_numel=False, quantized=False, ema=False, mixed_dtype=False,
                   branch=rng.choice(["none", "steps", "param_steps"]), optim=rng.choice(["sgd", "adamw"]),
                   clip=rng.choice(["none", "torch"]))
-        return _draw_uneven(_draw_scalar(_draw_strided(_draw_later(_draw_controls(_draw_start(_draw_user(_draw_more(
-            Case(seed, **kw)))))))))
+        return _draw_mesh(_draw_uneven(_draw_scalar(_draw_strided(_draw_later(_draw_controls(_draw_start(_draw_user(
+            _draw_more(Case(seed, **kw))))))))))
     if rng.random() < 0.12:
         kw["resume_ws"] = rng.choice([w for w in (1, 2, 4) if w != ws])
         kw["hsdp"], kw["reshard"] = False, "true" if kw["reshard"] == "int" else kw["reshard"]
@@ -284,8 +292,20 @@ def draw(seed: int) -> Case:
         kw["steps"] = max(kw["steps"], 3)
         kw["eval_pass"] = "all" if kw["eval_pass"] == "replica" else kw["eval_pass"]
         kw["scheduler"] = kw["ema"] = False  # their state is not part of the checkpoint
-    return _draw_uneven(_draw_scalar(_draw_strided(_draw_later(_draw_controls(_draw_start(_draw_user(_draw_more(
-            Case(seed, **kw)))))))))
+    return _draw_mesh(_draw_uneven(_draw_scalar(_draw_strided(_draw_later(_draw_controls(_draw_start(_draw_user(
+        _draw_more(Case(seed, **kw))))))))))
+
+
+def _draw_mesh(case: Case) -> Case:
+    """Parameters on a mesh of their own ([Note: Parameters on other meshes] in api.py), from a stream of its own;
+    not with tensor parallel (its blocks' meshes are the "dp" rows), an evaluation by one replica alone (the
+    other mesh spans the replicas) or torch's clip_grad_norm_ (it stacks norms of DTensors on two meshes, which
+    DTensor refuses). FSDP2 compares where it trains the case."""
+    rng = random.Random(f"mesh-{case.seed}")
+    if case.tp or case.eval_pass == "replica" or case.clip == "torch" or rng.random() >= 0.15:
+        return case
+    # (shard groups of one rank take no int reshard_after_forward)
+    return dataclasses.replace(case, other_mesh=rng.choice(["hsdp", "replicated" if case.reshard != "int" else "hsdp"]))
 
 
 def _draw_strided(case: Case) -> Case:
@@ -655,6 +675,8 @@ def shard(case: Case, model: Net, impl: str) -> None:
         kw["shard_placement_fn"] = lambda p: Shard(1) if p.ndim == 2 and (
             case.uneven1 or p.shape[1] % shard_size == 0) else None
     inner = dict(kw)
+    if case.other_mesh != "none":
+        inner["shard_placement_fn"] = _on_other_mesh(case, kw.get("shard_placement_fn"))
     if case.reshard == "false":
         inner["reshard_after_forward"] = False
     elif case.reshard == "int" and ws == 4:
@@ -706,6 +728,24 @@ def shard(case: Case, model: Net, impl: str) -> None:
         for before, after in zip(blocks, blocks[1:]):
             before.set_modules_to_forward_prefetch([after])
             after.set_modules_to_backward_prefetch([before])
+
+
+def _on_other_mesh(case: Case, placement_fn: Any) -> Any:
+    """``other_mesh``: a shard_placement_fn putting 1-D parameters on a mesh over every rank other than the call's
+    (their gradients are still averaged over all of them, as the reference's), the rest as ``placement_fn`` says."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo, ShardPlacementResult
+    from torch.distributed.tensor import Shard
+
+    ws = dist.get_world_size()
+    if case.hsdp and ws == 4:
+        info: Any = FSDPMeshInfo(init_device_mesh("cpu", (ws,)), shard_mesh_dim=0)
+    else:
+        shape = (ws, 1) if case.other_mesh == "replicated" else (ws // 2, 2) if ws == 4 else (1, ws)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+        info = HSDPMeshInfo(mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
+    return lambda p: ShardPlacementResult(Shard(0), info) if p.ndim == 1 else (
+        placement_fn(p) if placement_fn is not None else None)
 
 
 # ---- one training run ---------------------------------------------------------------------------------

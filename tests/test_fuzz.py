@@ -21,7 +21,8 @@ def test_draws_are_reproducible_and_varied() -> None:
                           ("ac", {"none", "inside", "outside"}), ("reuse", {False, True}), ("dim1", {False, True}),
                           ("keep_unsharded", {False, True}), ("divide", {False, True}),
                           ("all_reduce_last", {False, True}), ("not_last", {False, True}),
-                          ("method", {False, True}), ("mp_output", {False, True}), ("strided", {False, True})):
+                          ("method", {False, True}), ("mp_output", {False, True}), ("strided", {False, True}),
+                          ("other_mesh", {"none", "hsdp", "replicated"})):
         assert {getattr(c, field) for c in cases} >= values, field
     assert sum(c.fsdp2_supported for c in cases) > CI_CASES // 5
     assert Case(3).describe() == "Case(seed=3)"

@@ -301,11 +301,12 @@ class MoEBlock(nn.Module):
         return self.experts(torch.relu(self.proj(x)))
 
 
-def _experts_on_another_mesh(rank: int, world_size: int) -> None:
+def _experts_on_another_mesh(rank: int, world_size: int, reshard_after_forward: bool) -> None:
     """A mixture of experts, torchtitan's way on FSDP2: one fully_shard call per block whose shard_placement_fn returns
     ShardPlacementResults, the experts over the ranks outside their expert-parallel group ("edp"), the rest over
-    every rank. fullshard shards over one mesh per call: the experts get a call of their own first, with the same
-    meshes, placements, gradients and values."""
+    every rank ([Note: Parameters on other meshes]). fullshard's one-call form, its two-call form (the experts
+    sharded by a call of their own first) and FSDP2's one-call form give the same meshes, placements, losses,
+    gradients and values, also with a micro-batch that skips the gradient sync."""
     fsdp_common = pytest.importorskip("torch.distributed.fsdp._fully_shard._fsdp_common")
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
@@ -314,46 +315,81 @@ def _experts_on_another_mesh(rank: int, world_size: int) -> None:
     dp_info = fsdp_common.FSDPMeshInfo(dp, shard_mesh_dim=0)
     edp_info = fsdp_common.FSDPMeshInfo(experts_mesh["edp"], shard_mesh_dim=0)
 
-    def build(ours: bool) -> nn.Module:
+    def build(form: str) -> nn.Module:
         torch.manual_seed(0)
         model = nn.Sequential(MoEBlock(experts_mesh["ep"]), MoEBlock(experts_mesh["ep"]))
+        shard = torch_fully_shard if form == "torch" else fully_shard
         for block in model:
             experts = set(block.experts.parameters())
-            if ours:
-                fully_shard(block.experts, mesh=experts_mesh["edp"])
-                fully_shard(block, mesh=dp, shard_placement_fn=lambda p: fsdp_common.ShardPlacementResult(
-                    placement=Shard(0), mesh_info=dp_info))  # (its own mesh: accepted)
-            else:
-                torch_fully_shard(block, mesh=dp, shard_placement_fn=lambda p, e=experts: fsdp_common.ShardPlacementResult(
-                    placement=Shard(0), mesh_info=edp_info if p in e else dp_info))
-        (fully_shard if ours else torch_fully_shard)(model, mesh=dp)
+            if form == "two calls":
+                fully_shard(block.experts, mesh=experts_mesh["edp"], reshard_after_forward=reshard_after_forward)
+            shard(block, mesh=dp, reshard_after_forward=reshard_after_forward,
+                  shard_placement_fn=lambda p, e=experts: fsdp_common.ShardPlacementResult(
+                      placement=Shard(0), mesh_info=edp_info if p in e else dp_info))
+        shard(model, mesh=dp)
         return model
 
-    models = [build(ours=True), build(ours=False)]
+    models = [build("one call"), build("two calls"), build("torch")]
     layouts = [[(n, p.device_mesh.mesh_dim_names, p.placements, p.to_local().shape) for n, p in m.named_parameters()]
                for m in models]
-    assert layouts[0] == layouts[1]
+    assert layouts[0] == layouts[1] == layouts[2]
     experts_layout = next(entry for entry in layouts[0] if entry[0] == "0.experts.w")
     assert experts_layout[1:3] == (("edp", "ep"), (_StridedShard(0, split_factor=2), Shard(0)))
+    assert not isinstance(models[0][0].experts, fullshard.FSDPModule)  # (as FSDP2: one call, one FSDP module)
     optims = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
     gen = torch.Generator().manual_seed(5)
-    for _ in range(3):
-        x = [torch.randn(3, DIM + 1, generator=gen) for _ in range(world_size)][rank]
-        losses = [m(x).square().mean() for m in models]
-        for loss in losses:
-            loss.backward()
-        assert torch.equal(*losses)
-        for (name, ours), theirs in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
-            assert torch.equal(ours.grad.to_local(), theirs.grad.to_local()), name
+    for step in range(3):
+        for micro in range(2):
+            for m in models:
+                m.set_requires_gradient_sync(micro == 1 or step != 1)
+            x = [torch.randn(3, DIM + 1, generator=gen) for _ in range(world_size)][rank]
+            losses = [m(x).square().mean() for m in models]
+            for loss in losses:
+                loss.backward()
+            assert torch.equal(losses[0], losses[1]) and torch.equal(losses[0], losses[2])
+            if step == 1 and micro == 0:
+                continue
+            for (name, *params) in zip(*(dict(m.named_parameters()) for m in models[:1]),
+                                       *(m.parameters() for m in models), strict=True):
+                grads = [p.grad.to_local() for p in params]
+                assert torch.equal(grads[0], grads[2]) and torch.equal(grads[1], grads[2]), name
         for opt in optims:
             opt.step()
             opt.zero_grad()
-    block = MoEBlock(experts_mesh["ep"])  # both meshes in one call: refused, the block unchanged
-    with pytest.raises(NotImplementedError, match="shard_placement_fn put 'experts.w' on another mesh"):
-        fully_shard(block, mesh=dp, shard_placement_fn=lambda p: fsdp_common.ShardPlacementResult(
-            placement=Shard(0), mesh_info=edp_info if p.dim() == 3 else dp_info))
+    for ours, theirs in zip(models[0].parameters(), models[2].parameters(), strict=True):
+        assert torch.equal(ours.to_local(), theirs.to_local())
+    for m in (models[0], models[2]):  # several groups: the setters FSDP2 refuses for them
+        with pytest.raises(ValueError, match="multiple param groups"):
+            m[0].set_all_reduce_hook(lambda t: None)
+    faces = []
+    for m in (models[0], models[2]):  # an explicit unshard registers every group's unsharded parameters
+        m[0].unshard()
+        faces.append([(n, type(p).__name__, tuple(p.shape)) for n, p in m[0].named_parameters()])
+        m[0].reshard()
+    assert faces[0] == faces[1]
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_experts_on_another_mesh_match_torch(reshard_after_forward: bool) -> None:
+    run_ranks(4, _experts_on_another_mesh, reshard_after_forward)
+
+
+def _experts_mesh_errors(rank: int, world_size: int) -> None:
+    fsdp_common = pytest.importorskip("torch.distributed.fsdp._fully_shard._fsdp_common")
+    dp = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    experts_mesh = dp._unflatten(0, (2, world_size // 2), ("edp", "ep"))
+    edp_info = fsdp_common.FSDPMeshInfo(experts_mesh["edp"], shard_mesh_dim=0)
+    block = MoEBlock(experts_mesh["ep"])
+    # an int reshard_after_forward must divide every group's shard size (edp has 2 ranks): the block unchanged
+    with pytest.raises(ValueError, match="factor of 2"):
+        fully_shard(block, mesh=dp, reshard_after_forward=4, shard_placement_fn=lambda p: (
+            fsdp_common.ShardPlacementResult(placement=Shard(0), mesh_info=edp_info) if p.dim() == 3 else None))
     assert not isinstance(block, fullshard.FSDPModule) and not isinstance(block.experts.w.placements[0], _StridedShard)
+    with pytest.raises(ValueError, match="no mesh to shard over"):
+        fully_shard(block, mesh=dp, shard_placement_fn=lambda p: fsdp_common.ShardPlacementResult(
+            placement=Shard(0), mesh_info=object()))
+    assert not isinstance(block, fullshard.FSDPModule)
 
 
-def test_experts_on_another_mesh_match_torch() -> None:
-    run_ranks(4, _experts_on_another_mesh)
+def test_experts_mesh_errors() -> None:
+    run_ranks(4, _experts_mesh_errors)

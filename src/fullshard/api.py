@@ -149,7 +149,8 @@ def shard_modules(
     mesh_info = mesh_info_of()
     _install_optimizer_hooks()
     device = mesh_device(mesh_info.mesh)
-    reshard_after_forward, post_forward_size = _resolve_reshard_after_forward(reshard_after_forward, mesh_info)
+    reshard_arg = reshard_after_forward
+    reshard_after_forward, post_forward_size = _resolve_reshard_after_forward(reshard_arg, mesh_info)
 
     managed = _managed_modules(modules)
     below = _params_of_groups_below(modules)
@@ -185,38 +186,48 @@ def shard_modules(
 
     params = list(sites)
     tp_params = {p for p in params if _is_tensor_parallel(p, ties)}
-    # (placements first: a parameter put on another mesh is refused as such, not for what that mesh implies)
-    layouts = {p: _layout(p, fqns[p], shard_placement_fn, mesh_info, p in tp_params) for p in params}
-    _check_params([p for p in params if p not in ties], fqns, device, mesh_info)
-    tp = {p: TensorParallel.of(cast(DTensor, p), mesh_info, layouts[p].shard_dim) for p in tp_params}
-    leaving = _check_ties(members, below, layouts, mesh_info, fqns)
+    # (placements first: a parameter put on a mesh it cannot go on is refused as such, not for what that implies)
+    other_meshes: dict[tuple[Any, Any], MeshInfo] = {}
+    placed = {p: _placement(p, fqns[p], shard_placement_fn, mesh_info, device, other_meshes) for p in params}
+    infos = {p: info for p, (_, info) in placed.items()}
+    layouts = {p: _layout(p, fqns[p], placement, infos[p], p in tp_params) for p, (placement, _) in placed.items()}
+    _check_params([p for p in params if p not in ties], fqns, device, infos)
+    tp = {p: TensorParallel.of(cast(DTensor, p), infos[p], layouts[p].shard_dim) for p in tp_params}
+    leaving = _check_ties(members, below, layouts, infos, fqns)
+    post_forward_sizes = {mesh_info: post_forward_size}
+    post_forward_sizes.update({info: _resolve_reshard_after_forward(reshard_arg, info)[1] for info in other_meshes.values()})
     streams = CommStreams(device)
-    group = None
     for lower, taken in leaving.items():  # every check passed: only now change the groups below
         lower.remove(taken)
 
-    def make_group(sharded: list[ShardedParam], originals: list[torch.Tensor]) -> ParamGroup:
+    def make_group(sharded: list[ShardedParam], originals: list[torch.Tensor], info: MeshInfo = mesh_info) -> ParamGroup:
         made = ParamGroup(
-            sharded, originals, mesh_info, device,
+            sharded, originals, info, device,
             mp_policy.param_dtype, reduce_dtype, streams,
             offload_to_cpu=isinstance(offload_policy, CPUOffloadPolicy),
             pin_memory=isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory,
         )
         made.label = type(modules[0]).__name__
         made.codecs = make_codecs(made, comm_policy, mp_policy)
-        if post_forward_size is not None:
-            made.set_post_forward_group(post_forward_group(mesh_info, post_forward_size))
+        size = post_forward_sizes[info]
+        if size is not None:
+            made.set_post_forward_group(post_forward_group(info, size))
         register_state_dict_hooks(made, tuple(modules))
         return made
 
-    if params:
-        group = make_group([ShardedParam(fqns[p], sites[p], p, layouts[p], mesh_info, tp.get(p)) for p in params], params)
+    by_mesh: dict[MeshInfo, list[torch.Tensor]] = {mesh_info: []}  # [Note: Parameters on other meshes]
+    for p in params:
+        by_mesh.setdefault(infos[p], []).append(p)
+    groups = {info: make_group([ShardedParam(fqns[p], sites[p], p, layouts[p], info, tp.get(p)) for p in on_mesh],
+                               on_mesh, info)
+              for info, on_mesh in by_mesh.items() if on_mesh}
     for lower in leaving:
         if not lower.params:
             for state in below.values():
-                if state.group is lower:
-                    state.group = None
-    state = HookState(tuple(modules), group, device, reshard_after_forward, mp_policy, streams)
+                if lower in state.groups:
+                    state.drop_group(lower)
+    state = HookState(tuple(modules), groups.pop(mesh_info, None), device, reshard_after_forward, mp_policy, streams)
+    state.other_groups = list(groups.values())
     state.ignored_params = frozenset(ignored)
     state.make_group = make_group  # a group formed later (a tie made after fully_shard), with this call's settings
     hook_unused_submodules(modules)
@@ -290,8 +301,8 @@ def _params_of_groups_below(modules: list[nn.Module]) -> dict[ShardedParam, Hook
     for top in modules:
         for mod in top.modules():
             state = state_of(mod)
-            if state is not None and state.group is not None:
-                for p in state.group.params:
+            if state is not None:
+                for p in (p for group in state.groups for p in group.params):
                     below[p] = state
     return below
 
@@ -336,21 +347,20 @@ def _ties_among(below: dict[ShardedParam, HookState]) -> dict[ShardedParam, None
 
 def _check_ties(
     members: dict[torch.Tensor, list[ShardedParam]], below: dict[ShardedParam, HookState],
-    layouts: dict[torch.Tensor, ParamLayout], mesh_info: MeshInfo, fqns: dict[torch.Tensor, str],
+    layouts: dict[torch.Tensor, ParamLayout], infos: dict[torch.Tensor, MeshInfo], fqns: dict[torch.Tensor, str],
 ) -> dict[ParamGroup, list[ShardedParam]]:
     """Which sharded parameters leave which group below; raise before anything changes if one cannot."""
     leaving: dict[ParamGroup, list[ShardedParam]] = {}
     for source, sharing in members.items():
         for sp in sharing:
-            group = below[sp].group
-            assert group is not None
+            group = next(g for g in below[sp].groups if sp in g.params)
             if sp.tp is not None:
                 raise ValueError(
                     f"parameter {fqns[source]!r} is tied to {sp.fqn!r} of the fully_shard group of {group.label!r} "
                     "and is a DTensor (tensor parallel, or on an SPMD mesh); a tie across fully_shard groups is "
                     "supported for plain parameters: shard the modules sharing it in one fully_shard call"
                 )
-            if sp.mesh_info.mesh != mesh_info.mesh or sp.layout != layouts[source]:
+            if sp.mesh_info.mesh != infos[source].mesh or sp.layout != layouts[source]:
                 raise ValueError(
                     f"parameter {fqns[source]!r} is tied to {sp.fqn!r} of the fully_shard group of "
                     f"{group.label!r}, which shards it on another mesh or dim; a tied parameter moves to the "
@@ -371,10 +381,10 @@ def _is_tensor_parallel(param: torch.Tensor, ties: dict[torch.Tensor, ShardedPar
 
 
 def _check_params(
-    params: list[torch.Tensor], fqns: dict[torch.Tensor, str], device: torch.device, mesh_info: MeshInfo
+    params: list[torch.Tensor], fqns: dict[torch.Tensor, str], device: torch.device, infos: dict[torch.Tensor, MeshInfo]
 ) -> None:
     for p in params:
-        fqn = fqns[p]
+        fqn, mesh_info = fqns[p], infos[p]
         if mesh_info.spmd is not None:
             _check_spmd_param(p, fqn, mesh_info.spmd)
         elif isinstance(p, DTensor):
@@ -460,14 +470,10 @@ def check_param_device(fqn: str, param_device: torch.device, mesh_dev: torch.dev
 
 
 def _layout(
-    param: torch.Tensor, fqn: str, shard_placement_fn: _ShardPlacementFn | None, mesh_info: MeshInfo,
-    tensor_parallel: bool = False,
+    param: torch.Tensor, fqn: str, placement: Any, mesh_info: MeshInfo, tensor_parallel: bool = False,
 ) -> ParamLayout:
     if param.dim() == 0:  # whole on every rank ([Note: Replicated scalars] in layout.py); nothing to place
         return ParamLayout((), 0, mesh_info.shard_size)
-    placement = shard_placement_fn(cast(nn.Parameter, param)) if shard_placement_fn is not None else None
-    if hasattr(placement, "mesh_info") and hasattr(placement, "placement"):
-        placement = _on_own_mesh(placement, fqn, mesh_info)
     if placement is None:
         dim = 0
     elif isinstance(placement, Shard):
@@ -498,19 +504,56 @@ def _layout(
     return layout
 
 
-def _on_own_mesh(result: Any, fqn: str, mesh_info: MeshInfo) -> Any:
-    """The placement of FSDP2's ``ShardPlacementResult`` when its mesh is the call's (the same process groups)."""
+# [Note: Parameters on other meshes]
+# shard_placement_fn may return FSDP2's ShardPlacementResult, a placement with a mesh of
+# its own: torchtitan's mixture of experts shards the experts over the ranks outside
+# their expert-parallel group and the rest of the block over all of them, in one call.
+# The call then forms one group per mesh (per pair of shard and replicate process
+# groups, as FSDP2): its own mesh's first, the others in the order of their first
+# parameter. The state drives them together: each is all-gathered, resharded and
+# reduced where a single group would be, with its own collectives over its own ranks,
+# gradients divided by its own data-parallel size, and an int reshard_after_forward
+# resolved against its own shard size. Setters act on every group, except the three
+# FSDP2 also refuses with several (a custom all-gather or reduce-scatter, an all-reduce
+# hook: ValueError). Not with dp_mesh_dims, whose collectives run over named axes of
+# the one SPMD mesh.
+
+
+def _placement(
+    param: torch.Tensor, fqn: str, shard_placement_fn: _ShardPlacementFn | None, mesh_info: MeshInfo,
+    device: torch.device, other_meshes: dict[tuple[Any, Any], MeshInfo],
+) -> tuple[Any, MeshInfo]:
+    """What ``shard_placement_fn`` says for ``param`` (not called for 0-dim ones): its placement, and the mesh it is
+    sharded over, ``mesh_info`` or one of ``other_meshes`` (by process groups; a new one is added there)."""
+    if shard_placement_fn is None or param.dim() == 0:
+        return None, mesh_info
+    result: Any = shard_placement_fn(cast(nn.Parameter, param))
+    if not (hasattr(result, "mesh_info") and hasattr(result, "placement")):
+        return result, mesh_info
     info = result.mesh_info
+    mesh = getattr(info, "mesh", None)
     shard_axis, replicate_axis = getattr(info, "shard_mesh_dim", None), getattr(info, "replicate_mesh_dim", None)
-    groups = tuple(None if axis is None else info.mesh.get_group(axis) for axis in (shard_axis, replicate_axis))
-    if mesh_info.spmd is None and groups == (mesh_info.shard_group, mesh_info.replicate_group):
-        return result.placement
-    raise UnsupportedError(
-        f"shard_placement_fn put {fqn!r} on another mesh ({info.mesh}) than the fully_shard call's "
-        f"({mesh_info.mesh}) with a ShardPlacementResult; one call shards over one mesh here: shard the modules "
-        "holding those parameters first with a fully_shard call of their own on that mesh (e.g. "
-        "fully_shard(block.experts, mesh=experts_mesh)), then the block"
-    )
+    if not isinstance(mesh, DeviceMesh) or shard_axis is None:
+        raise ValueError(
+            f"shard_placement_fn returned a ShardPlacementResult for {fqn!r} whose mesh_info has no mesh to shard "
+            f"over ({info!r}); pass an FSDPMeshInfo or HSDPMeshInfo"
+        )
+    groups = (mesh.get_group(shard_axis), None if replicate_axis is None else mesh.get_group(replicate_axis))
+    if groups == (mesh_info.shard_group, mesh_info.replicate_group) and mesh_info.spmd is None:
+        return result.placement, mesh_info
+    if mesh_info.spmd is not None:
+        raise UnsupportedError(
+            f"shard_placement_fn put {fqn!r} on a mesh of its own ({mesh}) with a ShardPlacementResult, and the "
+            "fully_shard call takes dp_mesh_dims; shard those parameters with a fully_shard call of their own"
+        )
+    if mesh.ndim != (1 if replicate_axis is None else 2) or mesh_device(mesh).type != device.type:
+        raise ValueError(
+            f"shard_placement_fn put {fqn!r} on {mesh}: a ShardPlacementResult's mesh must be 1-D (sharding) or 2-D "
+            f"(replicating and sharding) and of the fully_shard mesh's device type ({device.type})"
+        )
+    if groups not in other_meshes:
+        other_meshes[groups] = MeshInfo(mesh, shard_axis=shard_axis, replicate_axis=replicate_axis)
+    return result.placement, other_meshes[groups]
 
 
 class FSDPModule:
@@ -528,6 +571,16 @@ class FSDPModule:
     def _as_module(self) -> nn.Module:
         return cast(nn.Module, self)  # FSDP<Class> is always an nn.Module subclass
 
+    def _only_group(self, method: str, what: str) -> ParamGroup | None:
+        """The module's one group; a ``ValueError`` (as FSDP2's) when parameters on other meshes made several."""
+        groups = self._get_hook_state().groups
+        if len(groups) > 1:
+            raise ValueError(
+                f"{method} is not supported with multiple param groups (from per-param mesh via shard_placement_fn): "
+                f"the {what} would be ambiguous across groups with different meshes"
+            )
+        return groups[0] if groups else None
+
     def _get_hook_state(self) -> HookState:
         state = state_of(self)
         if state is None:
@@ -541,8 +594,8 @@ class FSDPModule:
         if state.ctx is None:
             state.lazy_init()
         take_over_changes([state])
-        if state.group is not None:
-            state.group.unshard(async_op=True)
+        for group in state.groups:
+            group.unshard(async_op=True)
         handle = UnshardHandle(state)
         if async_op:
             return handle
@@ -553,8 +606,8 @@ class FSDPModule:
         """Free the unsharded parameters and register the sharded ones."""
         state = self._get_hook_state()
         take_over_changes([state])
-        if state.group is not None:
-            state.group.reshard()
+        for group in state.groups:
+            group.reshard()
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Whether to free the unsharded parameters after forward (for this module and, with ``recurse``, below)."""
@@ -563,8 +616,8 @@ class FSDPModule:
         for state in states_in(self._as_module(), recurse):
             state.reshard_after_forward = reshard_after_forward
             state.reshard_after_forward_arg = reshard_after_forward
-            if state.group is not None:
-                state.group.set_post_forward_group(None)
+            for group in state.groups:
+                group.set_post_forward_group(None)
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """``False``: backward keeps the unsharded gradients (no communication) to add to a later synced backward.
@@ -618,7 +671,7 @@ class FSDPModule:
         """
         if not callable(hook):
             raise TypeError(f"set_all_reduce_hook: hook must be callable, got {type(hook).__name__}")
-        group = self._get_hook_state().group
+        group = self._only_group("set_all_reduce_hook", "hook")
         if group is None:
             return
         if stream is not None and group.mesh_info.replicate_group is not None:
@@ -657,9 +710,8 @@ class FSDPModule:
         Collective: every rank of the mesh must call it together.
         """
         created: dict[tuple[int, ...], dist.ProcessGroup] = {}
-        for state in states_in(self._as_module(), recurse):
-            group = state.group
-            if group is None or group.mesh_info.shard_group is None:
+        for group in (group for state in states_in(self._as_module(), recurse) for group in state.groups):
+            if group.mesh_info.shard_group is None:
                 continue
             if not enable:
                 group.reducer.settings.reduce_scatter_group = None
@@ -682,7 +734,7 @@ class FSDPModule:
         """All-gather this module's group with ``comm`` (torch's ``AllGather``): it allocates the output and runs
         ``comm(output, input, group, async_op=True)``. ``None`` restores the default."""
         _check_comm("set_custom_all_gather", comm)
-        group = self._get_hook_state().group
+        group = self._only_group("set_custom_all_gather", "custom comm")
         if group is not None:
             group.all_gather_comm = comm
 
@@ -690,7 +742,7 @@ class FSDPModule:
         """Reduce-scatter this module's gradients with ``comm`` (torch's ``ReduceScatter``): it allocates the input
         and the output and runs ``comm(output, input, group, op, async_op=True)``. ``None`` restores the default."""
         _check_comm("set_custom_reduce_scatter", comm)
-        group = self._get_hook_state().group
+        group = self._only_group("set_custom_reduce_scatter", "custom comm")
         if group is not None:
             group.reducer.settings.custom_comm = comm
 
@@ -727,12 +779,12 @@ class FSDPModule:
         of the group has converted (see [Note: Converting a group] in group.py)."""
         state = self._get_hook_state()
         take_over_changes([state])  # so that the conversion reaches the parameters assigned since
-        if state.group is not None:
-            state.group.reshard()
-            state.group.adopt_reassigned()  # (before the first forward)
+        for group in state.groups:
+            group.reshard()
+            group.adopt_reassigned()  # (before the first forward)
         result = super()._apply(fn, recurse)  # type: ignore[misc]
-        if state.group is not None:
-            state.group.member_converted(self._as_module(), state.modules)
+        for group in state.groups:
+            group.member_converted(self._as_module(), state.modules)
         return result
 
     def __deepcopy__(self, memo: dict[int, Any]) -> NoReturn:
@@ -749,15 +801,14 @@ class UnshardHandle(_TorchUnshardHandle):
         self._state = state
 
     def wait(self) -> None:
-        group = self._state.group
-        if group is not None:
+        for group in self._state.groups:
             group.wait_for_unshard()
 
 
 def _reduce_settings(module: nn.Module, recurse: bool) -> list[ReduceSettings]:
     """The reduction settings of each state: its group's, or those a group formed later takes."""
-    return [s.group.reducer.settings if s.group is not None else s.settings_without_group
-            for s in states_in(module, recurse)]
+    return [settings for s in states_in(module, recurse)
+            for settings in [g.reducer.settings for g in s.groups] + ([s.settings_without_group] if s.group is None else [])]
 
 
 def _states_of(modules: list[FSDPModule]) -> list[HookState]:
@@ -777,8 +828,8 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
     states = _states_of(modules)
     for state in states[1:]:
         state.streams = states[0].streams
-        if state.group is not None:
-            state.group.streams = states[0].streams
+        for group in state.groups:
+            group.streams = states[0].streams
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:

@@ -59,9 +59,8 @@ class EMA:
     def _registered(self, remove_duplicate: bool) -> dict[str, torch.Tensor]:
         """The model's parameters by name: the sharded ones (every group resharded)."""
         take_over_changes(states_in(self.model))  # an assigned value becomes its group's sharded parameter
-        for state in states_in(self.model):
-            if state.group is not None:
-                state.group.reshard()
+        for group in (group for state in states_in(self.model) for group in state.groups):
+            group.reshard()
         return dict(self.model.named_parameters(remove_duplicate=remove_duplicate))
 
     def _check_idle(self, what: str) -> None:
@@ -92,10 +91,9 @@ class EMA:
     def _write_shards(self, params: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         """Copy ``values`` into the parameters' shards; unsharded copies (a root kept unsharded after a
         forward) would be stale, so every group is resharded and the next forward gathers anew."""
-        for state in states_in(self.model):
-            if state.group is not None:
-                state.group.reshard()
-                state.group.streams.shards_written()
+        for group in (group for state in states_in(self.model) for group in state.groups):
+            group.reshard()
+            group.streams.shards_written()
         torch._foreach_copy_(params, values)
 
     def state_dict(self) -> dict[str, torch.Tensor]:

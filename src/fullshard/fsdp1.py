@@ -52,14 +52,14 @@ def summon_full_params(
     busy = [s.label for s in states if s.training_state is not TrainingState.IDLE]
     if busy or any(s.ctx is not None and s.ctx.end_of_backward_queued for s in states):
         raise ValueError(f"summon_full_params cannot run inside forward or backward (busy: {busy or 'backward'})")
-    groups = [s.group for s in states if s.group is not None]
+    groups = [g for s in states for g in s.groups]
     if any(g.summoned for g in groups):
         raise ValueError("summon_full_params cannot be nested")
     for state in states:  # outermost first: a root takes over what was assigned since fully_shard
         if state.ctx is None:
             state.lazy_init()
     take_over_changes(states)
-    groups = [s.group for s in states if s.group is not None]  # a tie taken over may have moved parameters
+    groups = [g for s in states for g in s.groups]  # a tie taken over may have moved parameters
     keep_full = not rank0_only or dist.get_rank() == 0
     try:
         for group in groups:
@@ -83,7 +83,7 @@ def no_sync(model: nn.Module) -> Iterator[None]:
     first backward after the context reduces everything accumulated.
     """
     expect_module("no_sync", model)
-    settings = [s.group.reducer.settings for s in states_in(model) if s.group is not None]
+    settings = [g.reducer.settings for s in states_in(model) for g in s.groups]
     saved = [entry.requires_gradient_sync for entry in settings]
     for entry in settings:
         entry.requires_gradient_sync = False
@@ -266,7 +266,7 @@ def register_comm_hook(model: nn.Module, state: Any, hook: Callable[[Any, torch.
     expect_module("register_comm_hook", model)
     if not callable(hook):
         raise TypeError(f"register_comm_hook: hook must be callable, got {type(hook).__name__}")
-    for group in (s.group for s in states_in(model) if s.group is not None):
+    for group in (g for s in states_in(model) for g in s.groups):
         if group.mesh_info.replicate_group is not None:
             raise NotImplementedError("register_comm_hook is not supported with HSDP (2-D meshes)")
         group.reducer.settings.comm_hook = (state, hook)

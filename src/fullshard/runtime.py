@@ -181,7 +181,7 @@ class IterationContext:
         self.backward_prefetch_depth = 1
         self.backward_prefetch_mode = BackwardPrefetchMode.PRE
         # The ranks compare their collectives per group ([Note: Divergence check] in failures.py).
-        groups = [state.group for state in states if state.group is not None]
+        groups = [group for state in states for group in state.groups]
         self.monitor = failures.Monitor(
             [pg for g in groups for pg in (g.mesh_info.shard_group, g.mesh_info.replicate_group,
                                            g.post_forward.group if g.post_forward is not None else None)]
@@ -214,12 +214,12 @@ class IterationContext:
         if self.graph_kept:  # [Note: Double backward]
             return
         for state in self.states:
-            group = state.group
-            if group is None or group.state in (ShardedState.SHARDED, ShardedState.SHARDED_POST_FORWARD):
-                continue
-            if state not in self._seen_pre or (state.reshard_after_forward and not state.is_root):
-                # A prefetch for a module that did not run, or a list group some of whose modules did not.
-                group.reshard()
+            for group in state.groups:
+                if group.state in (ShardedState.SHARDED, ShardedState.SHARDED_POST_FORWARD):
+                    continue
+                if state not in self._seen_pre or (state.reshard_after_forward and not state.is_root):
+                    # A prefetch for a module that did not run, or a list group some of whose modules did not.
+                    group.reshard()
 
     def forget(self, left: list[HookState]) -> None:
         """``left``'s modules are no longer in the root's tree: free their groups (a prefetch may have
@@ -227,8 +227,8 @@ class IterationContext:
         if not left:
             return
         for state in left:
-            if state.group is not None:
-                state.group.reshard()
+            for group in state.groups:
+                group.reshard()
             state.ctx = None
             state.is_root = False
         self.forward_next = {s: [t for t in ts if t not in left] for s, ts in self.forward_next.items() if s not in left}
@@ -267,12 +267,11 @@ class IterationContext:
         keep = torch.is_grad_enabled()  # create_graph=True: the graph it made holds the unsharded parameters
         with profiled("end_of_backward"):
             for state in self.states:
-                group = state.group
-                if group is not None and (
-                    state.training_state is TrainingState.PRE_BACKWARD
-                    or (not keep and group.state is not ShardedState.SHARDED and state.reshard_after_backward)
-                    or group.reducer.has_partial_sums_due
-                ):
+                groups = state.groups
+                if groups and (state.training_state is TrainingState.PRE_BACKWARD or any(
+                    (not keep and group.state is not ShardedState.SHARDED and state.reshard_after_backward)
+                    or group.reducer.has_partial_sums_due for group in groups
+                )):
                     state.post_backward(in_backward_pass=False)
                 state.training_state = TrainingState.IDLE
                 state.calls_awaiting_backward = 0
@@ -283,7 +282,7 @@ class IterationContext:
             self.end_of_backward_queued = False
             self.monitor.end_backward()
             if self.registrations_seen != registrations.count:  # a tie made during the step names a parameter
-                _unsharded_to_sharded([s.group for s in self.states if s.group is not None])  # resharded now
+                _unsharded_to_sharded([g for s in self.states for g in s.groups])  # resharded now
 
     def drain_reduces(self) -> None:
         """Complete every reduction in flight: first let every reduce-scatter finish (CPU: issues the
@@ -305,8 +304,8 @@ class IterationContext:
         self.pending_reduces.clear()
         self.inputs_in_flight.clear()
         for state in self.states:
-            if state.group is not None:
-                state.group.discard_pending()
+            for group in state.groups:
+                group.discard_pending()
             state.training_state = TrainingState.IDLE
             state.calls_awaiting_backward = 0
         self.end_of_backward_queued = False
@@ -315,8 +314,8 @@ class IterationContext:
         if self.graph_kept:
             return
         for state in self.states:
-            if state.group is not None:
-                state.group.reshard()
+            for group in state.groups:
+                group.reshard()
         self.streams.host_wait(self.streams.h2d_done)
 
 
@@ -380,7 +379,8 @@ def hook_unused_submodules(modules: Iterable[nn.Module]) -> None:
 
 
 class HookState:
-    """Hook state of one ``fully_shard`` call (one group, one or more modules)."""
+    """Hook state of one ``fully_shard`` call (one or more modules): its group over the call's mesh, and one over
+    each other mesh ``shard_placement_fn`` put parameters on ([Note: Parameters on other meshes] in api.py)."""
 
     def __init__(
         self,
@@ -392,7 +392,8 @@ class HookState:
         streams: CommStreams,
     ) -> None:
         self.modules = modules
-        self.group = group
+        self.group = group  # over the call's mesh; a tie made after fully_shard may form it later
+        self.other_groups: list[ParamGroup] = []
         self.ignored_params: frozenset[torch.Tensor] = frozenset()  # fully_shard's ignored_params
         self.device = device
         self.mp_policy = mp_policy
@@ -433,8 +434,25 @@ class HookState:
         caller.register_forward_hook(_eager(self._post_forward_hook), prepend=True)
 
     @property
+    def groups(self) -> list[ParamGroup]:
+        """Every group this state drives, together: the call's mesh's first."""
+        return [*self.other_groups] if self.group is None else [self.group, *self.other_groups]
+
+    def drop_group(self, group: ParamGroup) -> None:
+        """``group`` has no parameters left (ties took them over)."""
+        if group is self.group:
+            self.group = None
+        else:
+            self.other_groups.remove(group)
+
+    def group_on(self, mesh: Any) -> ParamGroup | None:
+        """This state's group over ``mesh``, if any."""
+        return next((g for g in self.groups if g.mesh_info.mesh == mesh), None)
+
+    @property
     def label(self) -> str:
-        return self.group.label if self.group is not None else type(self.modules[0]).__name__
+        groups = self.groups
+        return groups[0].label if groups else type(self.modules[0]).__name__
 
     def start_iteration(self) -> None:
         self.calls_awaiting_backward = 0
@@ -459,7 +477,7 @@ class HookState:
         states, module_names = self._states_in_tree()
         _check_no_shared_originals(states)
         if ctx is not None and ctx.pending_reduces and any(
-            s.group.assigned_values() for s in states if s.group is not None and not s.group.summoned
+            g.assigned_values() for s in states for g in s.groups if not g.summoned
         ):
             ctx.drain_reduces()  # reductions in flight deliver to the parameters they were issued for
         _take_over_assignments(states, module_names)
@@ -473,16 +491,16 @@ class HookState:
             state.ctx = ctx
             # One set of communication streams per root: more would only add synchronisation.
             state.streams = self.streams
-            if state.group is not None:
-                state.group.streams = self.streams
+            for group in state.groups:
+                group.streams = self.streams
             state.is_root = state is self
             if state.reshard_after_forward_arg is None:
                 # Like FSDP2: the root's parameters are needed first in backward, keep them.
                 state.reshard_after_forward = not state.is_root
         ctx.registrations_seen = registrations.count
         for state in states:
-            if state.group is not None:
-                state.group.registrations_seen = registrations.count
+            for group in state.groups:
+                group.registrations_seen = registrations.count
         return ctx
 
     def _states_in_tree(self) -> tuple[list[HookState], dict[nn.Module, str]]:
@@ -494,8 +512,8 @@ class HookState:
             if state is None or state in states:
                 continue
             states.append(state)
-            if state.group is not None:
-                state.group.label = name
+            for group in state.groups:
+                group.label = name
         _name_params(states, module_names)
         return states, module_names
 
@@ -509,11 +527,12 @@ class HookState:
             # Reentrant (torch.utils.checkpoint(use_reentrant=True), as Hugging Face's gradient checkpointing
             # uses by default): the first forward ran without grad, so no backward hook was registered, and
             # the gradients come from a nested backward; the end of the outer backward reduces them.
-            if self.group is not None:
-                self.group.unshard()
-                if self.ctx is not None and torch.is_grad_enabled() and not self.calls_awaiting_backward:
-                    self.training_state = TrainingState.PRE_BACKWARD
-                    self.ctx.queue_end_of_backward()
+            groups = self.groups
+            for group in groups:
+                group.unshard()
+            if groups and self.ctx is not None and torch.is_grad_enabled() and not self.calls_awaiting_backward:
+                self.training_state = TrainingState.PRE_BACKWARD
+                self.ctx.queue_end_of_backward()
             return self._cast_inputs(*self._root_inputs(args, kwargs))  # what the forward saw
         ctx = self.ctx if self.ctx is not None else self.lazy_init()
         if self.is_root:
@@ -528,11 +547,13 @@ class HookState:
             args, kwargs = self._root_inputs(args, kwargs)
         self.training_state = TrainingState.FORWARD
         ctx.record_pre_forward(self)
-        if self.group is not None:
+        groups = self.groups
+        if groups:
             with profiled("pre_forward", self.label):
                 # Copy this group's all-gather out (freeing its output) before the next one allocates:
                 # at most one all-gather output is live beside the unsharded groups ([Note: Prefetch]).
-                self.group.unshard()
+                for group in groups:
+                    group.unshard()
                 targets = self.forward_prefetch
                 self._prefetch(ctx.forward_next.get(self, ()) if targets is None else targets, backward=False)
         args, kwargs = self._cast_inputs(args, kwargs)
@@ -560,9 +581,9 @@ class HookState:
             return self._cast_output(output)
         ctx = self.ctx
         assert ctx is not None
-        group = self.group
-        if group is not None and self.reshard_after_forward and self._last_module_to_run(module) and not ctx.graph_kept:
-            group.reshard_post_forward()
+        if self.reshard_after_forward and self._last_module_to_run(module) and not ctx.graph_kept:
+            for group in self.groups:
+                group.reshard_post_forward()
         output = self._cast_output(output)
         needs_backward = self._register_pre_backward(output)
         self.training_state = TrainingState.IDLE
@@ -586,9 +607,10 @@ class HookState:
         for target in targets:
             if (backward and not target.unshard_in_backward) or target.ctx is not self.ctx:
                 continue  # (a module set as a target that has left the model since: nothing would free it)
-            if target.group is not None and target.group.state in (ShardedState.SHARDED, ShardedState.SHARDED_POST_FORWARD):
-                with profiled("prefetch", target.label):
-                    target.group.unshard(async_op=True)
+            for group in target.groups:
+                if group.state in (ShardedState.SHARDED, ShardedState.SHARDED_POST_FORWARD):
+                    with profiled("prefetch", target.label):
+                        group.unshard(async_op=True)
 
     def _wrap_inputs_for_post_backward(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -649,11 +671,13 @@ class HookState:
         assert self.ctx is not None
         self.ctx.queue_end_of_backward()
         self.training_state = TrainingState.PRE_BACKWARD
-        if self.group is None or not self.unshard_in_backward:
+        groups = self.groups
+        if not groups or not self.unshard_in_backward:
             return
         with profiled("pre_backward", self.label):
             self.ctx.release_finished_inputs()
-            self.group.unshard()
+            for group in groups:
+                group.unshard()
             self._prefetch(self._backward_targets(BackwardPrefetchMode.PRE), backward=True)
 
     def _backward_targets(self, mode: BackwardPrefetchMode) -> list[HookState]:
@@ -683,7 +707,8 @@ class HookState:
         ran_backward = in_backward_pass or self.training_state is TrainingState.PRE_BACKWARD
         self.ctx.queue_end_of_backward()
         self.calls_awaiting_backward = 0
-        if self.group is None:
+        groups = self.groups
+        if not groups:
             self.training_state = TrainingState.IDLE
             return
         if in_backward_pass and self.ctx.graph_kept:
@@ -693,17 +718,19 @@ class HookState:
         self.training_state = TrainingState.POST_BACKWARD
         with profiled("post_backward", self.label):
             if self.reshard_after_backward and not torch.is_grad_enabled():
-                self.group.reshard()
+                for group in groups:
+                    group.reshard()
             if in_backward_pass:
                 self._prefetch(self._backward_targets(BackwardPrefetchMode.POST), backward=True)
-            reducer = self.group.reducer
-            if reducer.settings.requires_gradient_sync:
-                self.ctx.make_room_for_reduce(reducer.settings.max_inputs_in_flight)
-                pending = reducer.reduce(ran_backward=ran_backward)
-                if pending is not None:
-                    self.ctx.add_reduce(pending)
-            else:
-                reducer.accumulate_unsharded()
+            for group in groups:
+                reducer = group.reducer
+                if reducer.settings.requires_gradient_sync:
+                    self.ctx.make_room_for_reduce(reducer.settings.max_inputs_in_flight)
+                    pending = reducer.reduce(ran_backward=ran_backward)
+                    if pending is not None:
+                        self.ctx.add_reduce(pending)
+                else:
+                    reducer.accumulate_unsharded()
         self.training_state = TrainingState.IDLE
 
 
@@ -729,7 +756,7 @@ def tensors_in(tree: Any) -> list[torch.Tensor]:
 def _name_params(states: list[HookState], module_names: dict[nn.Module, str]) -> None:
     """Name each group's parameters from the root, by the first module that uses them."""
     for state in states:
-        for p in state.group.params if state.group is not None else ():
+        for p in (p for group in state.groups for p in group.params):
             prefix = module_names.get(p.sites[0].module, "")
             p.fqn = f"{prefix}.{p.sites[0].name}" if prefix else p.sites[0].name
 
@@ -751,16 +778,15 @@ def take_over_changes(states: list[HookState]) -> None:
 def _take_over_assignments(states: list[HookState], module_names: dict[nn.Module, str]) -> None:
     """Manage what was assigned to the modules since ``fully_shard`` (or the root's last check): re-assigned
     parameters, ties, and warn about parameters no group manages."""
-    groups = [state.group for state in states if state.group is not None]
+    groups = [group for state in states for group in state.groups]
     _reshard_keeping_assignments(groups)
     # A value adopted by one group may free the object it replaced for another (``b.w = a.w; a.w = new``):
     # adopt until no group takes anything more, then tie what is registered in more than one group.
     while any([group.adopt_reassigned() for group in groups]):
         pass
     _take_over_late_ties(states, module_names)
-    for state in states:
-        if state.group is not None:
-            state.group.relink()  # also after conversions that bypassed FSDPModule._apply (a submodule's to())
+    for group in (group for state in states for group in state.groups):
+        group.relink()  # also after conversions that bypassed FSDPModule._apply (a submodule's to())
     _warn_unmanaged(states, module_names)
 
 
@@ -799,7 +825,7 @@ def _take_over_late_ties(states: list[HookState], module_names: dict[nn.Module, 
     """
     moves = []  # (the parameter a module held, that site, the parameter it holds now, that parameter's group)
     for state in states:
-        for replaced in state.group.params if state.group is not None else ():
+        for replaced in (p for group in state.groups for p in group.params):
             for site in replaced.sites:
                 value = site.module._parameters.get(site.name)
                 owner = group_of(value) if value is not None and value is not replaced.sharded else None
@@ -807,16 +833,16 @@ def _take_over_late_ties(states: list[HookState], module_names: dict[nn.Module, 
                     moves.append((replaced, site, next(p for p in owner.params if p.sharded is value), owner))
     if not moves:
         return
-    plans = []
+    plans: list[tuple[Any, ParamGroup, list[Any], HookState, ParamGroup | None]] = []
     for tied, owner in dict.fromkeys((tied, owner) for _, _, tied, owner in moves):
         sites = [s for s in tied.sites if all(s is not site for _, site, _, _ in moves)]
         sites += [site for _, site, other, _ in moves if other is tied]
         nearest = _nearest_enclosing_state(states, module_names, [s.module for s in sites])
-        if nearest is not None and nearest.group is None and nearest.make_group is not None:
-            plans.append((tied, owner, sites, nearest))
+        enclosing = nearest.group_on(tied.mesh_info.mesh) if nearest is not None else None
+        if enclosing is None and nearest is not None and nearest.group is None and nearest.make_group is not None:
+            plans.append((tied, owner, sites, nearest, None))  # a group on the call's mesh, formed below
             continue
-        enclosing = nearest.group if nearest is not None else None
-        if enclosing is None or enclosing.mesh_info.mesh != tied.mesh_info.mesh or tied.tp is not None:
+        if enclosing is None or tied.tp is not None:
             replaced = next(r for r, _, other, _ in moves if other is tied)
             raise ValueError(
                 f"{replaced.fqn!r} was tied after fully_shard to {tied.fqn!r}, a parameter already managed by "
@@ -827,33 +853,32 @@ def _take_over_late_ties(states: list[HookState], module_names: dict[nn.Module, 
         if enclosing is not owner:
             enclosing.check_can_add(tied)
         assert nearest is not None
-        plans.append((tied, owner, sites, nearest))
+        plans.append((tied, owner, sites, nearest, enclosing))
     for replaced, site, _, _ in moves:
         replaced.sites.remove(site)
-    for tied, owner, sites, nearest in plans:
+    for tied, owner, sites, nearest, enclosing in plans:
         new_modules = [s.module for s in sites if all(s is not old for old in tied.sites)]
         tied.sites = sites
-        if nearest.group is None:
+        if enclosing is None:
             assert nearest.make_group is not None
-            nearest.group = _new_group(nearest.make_group, tied)
-            nearest.group.reducer.settings = nearest.settings_without_group
-            owner.reducer.hand_over(tied, nearest.group.reducer)
+            nearest.group = enclosing = _new_group(nearest.make_group, tied)
+            enclosing.reducer.settings = nearest.settings_without_group
+            owner.reducer.hand_over(tied, enclosing.reducer)
             owner.remove([tied])
-        elif nearest.group is owner:
+        elif enclosing is owner:
             if owner.on_new_sites is not None:
                 owner.on_new_sites(new_modules)
         else:
-            nearest.group.add(tied)
-            owner.reducer.hand_over(tied, nearest.group.reducer)
+            enclosing.add(tied)
+            owner.reducer.hand_over(tied, enclosing.reducer)
             owner.remove([tied])
     for state in states:
-        group = state.group
-        if group is not None:
+        for group in state.groups:
             leaving = [p for p in group.params if not p.sites]  # no module uses it any more
             if leaving:
                 group.remove(leaving)
             if not group.params:
-                state.group = None
+                state.drop_group(group)
 
 
 def _new_group(make_group: Callable[[list[Any], list[torch.Tensor]], ParamGroup], tied: Any) -> ParamGroup:
@@ -902,7 +927,7 @@ def _warn_unmanaged(states: list[HookState], module_names: dict[nn.Module, str])
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     ignored = frozenset().union(*(state.ignored_params for state in states))
-    unsharded = {p.unsharded for state in states if state.group is not None for p in state.group.params}
+    unsharded = {p.unsharded for state in states for group in state.groups for p in group.params}
     names = [f"{prefix}.{name}" if prefix else name
              for module, prefix in module_names.items() for name, p in module.named_parameters(recurse=False)
              if p.requires_grad and not isinstance(p, DTensor) and p not in ignored and p not in unsharded]
@@ -921,7 +946,7 @@ def _check_no_shared_originals(states: list[HookState]) -> None:
     Each group would train its own copy and the tie would silently break.
     """
     for state in states:
-        for p in state.group.params if state.group is not None else ():
+        for p in (p for group in state.groups for p in group.params):
             first = p.shared_with
             if first is not None:
                 raise ValueError(

@@ -214,7 +214,7 @@ def load_full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, f
     params = _optim_params(optim)
     by_name = {names[p]: p for p in params}
     managed: dict[torch.Tensor, ShardedParam] = {
-        p.sharded: p for state in states_in(model) if state.group is not None for p in state.group.params
+        p.sharded: p for state in states_in(model) for group in state.groups for p in group.params
     }
     full_osd = _broadcast_from_rank0(full_osd, device=_comm_device())
     unknown = sorted(set(full_osd["state"]) - set(by_name))
