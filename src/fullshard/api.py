@@ -211,6 +211,7 @@ def shard_modules(
         made.codecs = make_codecs(made, comm_policy, mp_policy)
         size = post_forward_sizes[info]
         if size is not None:
+            made.check_post_forward_group()  # (on every rank, before the collective creation of the smaller groups)
             made.set_post_forward_group(post_forward_group(info, size))
         register_state_dict_hooks(made, tuple(modules))
         return made

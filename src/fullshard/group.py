@@ -524,6 +524,14 @@ class ParamGroup:
 
     # ---- state transitions -------------------------------------------------
 
+    def check_post_forward_group(self) -> None:
+        """Raise if this group cannot reshard to a smaller group after forward (before one is created for it)."""
+        if self.codecs is not None:
+            raise NotImplementedError(
+                f"group {self.label!r}: reshard_after_forward as an int is not supported with all-gather extensions, "
+                "a comm_policy or parameters of several dtypes; pass True or False"
+            )
+
     def set_post_forward_group(self, group: dist.ProcessGroup | None) -> None:
         """Reshard to ``group`` (k consecutive ranks) after forward instead of to the full shard group."""
         if self.state is ShardedState.SHARDED_POST_FORWARD:
@@ -531,11 +539,7 @@ class ParamGroup:
         if group is None:
             self.post_forward = None
             return
-        if self.codecs is not None:
-            raise NotImplementedError(
-                f"group {self.label!r}: reshard_after_forward as an int is not supported with all-gather extensions, "
-                "a comm_policy or parameters of several dtypes; pass True or False"
-            )
+        self.check_post_forward_group()
         size = dist.get_world_size(group)
         layout = GroupLayout(tuple(ParamLayout(p.shape, p.shard_dim, size) for p in self.layout.params))
         buffer = torch.empty(layout.shard_numel, dtype=self.compute_dtype, device=self.device)
