@@ -320,3 +320,76 @@ def _batch_sharded_input(rank: int, world_size: int) -> None:
 
 def test_batch_sharded_input() -> None:
     run_ranks(4, _batch_sharded_input)
+
+
+# ---- experts on a mesh of their own (torchtitan's mixture of experts under full DTensor) --------------------------
+
+
+class Experts(nn.Module):
+    """Expert weights on the "sparse" mesh (Replicate on its data-parallel axis, Shard(0) on "ep"): each rank applies
+    its own experts to the dense activations (standing in for routing and the all-to-alls)."""
+
+    def __init__(self, sparse: DeviceMesh) -> None:
+        super().__init__()
+        self.w = nn.Parameter(distribute_tensor(torch.randn(4, DIM, DIM) / 3, sparse, [Replicate(), Shard(0)]))
+
+    def forward(self, x: DTensor) -> DTensor:
+        local = x.to_local()
+        out = sum((local @ expert for expert in self.w.to_local()), torch.zeros_like(local))
+        return DTensor.from_local(out, x.device_mesh, x.placements, run_check=False)
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, dense: DeviceMesh, sparse: DeviceMesh) -> None:
+        super().__init__()
+        self.proj = nn.Linear(DIM, DIM)
+        distribute_module(self.proj, dense)
+        self.experts = Experts(sparse)
+
+    def forward(self, x: DTensor) -> DTensor:
+        return self.experts(torch.relu(self.proj(x)))
+
+
+def _experts_on_their_own_spmd_mesh(rank: int, world_size: int) -> None:
+    """One fully_shard call per block with dp_mesh_dims, its shard_placement_fn returning ShardPlacementResults with
+    FSDP2's mesh infos of the dense and the sparse SPMD mesh (torchtitan's expert-parallel path under full DTensor):
+    the same layouts, losses, gradients and values as torch's fully_shard."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+    from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
+
+    world = init_device_mesh("cpu", (world_size,), mesh_dim_names=("world",))
+    dense = world._unflatten(0, (world_size,), ("g0",))
+    sparse = world._unflatten(0, (2, world_size // 2), ("e0", "ep0"))
+    dense_dims, sparse_dims = DataParallelMeshDims(shard="g0"), DataParallelMeshDims(shard="e0")
+    dense_info, sparse_info = _get_mesh_info(dense, dense_dims), _get_mesh_info(sparse, sparse_dims)
+
+    def build(shard: Any) -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(MoEBlock(dense, sparse), MoEBlock(dense, sparse))
+        for block in model:
+            experts = set(block.experts.parameters())
+            shard(block, mesh=dense, dp_mesh_dims=dense_dims, shard_placement_fn=lambda p, e=experts: ShardPlacementResult(
+                placement=Shard(0), mesh_info=sparse_info if p in e else dense_info))
+        shard(model, mesh=dense, dp_mesh_dims=dense_dims)
+        return model
+
+    models = [build(fully_shard), build(torch_fully_shard)]
+    assert layout(models[0]) == layout(models[1])
+    assert [len(state_of(block).groups) for block in models[0]] == [2, 2]
+    optims = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        x = [torch.randn(2, DIM, generator=gen) for _ in range(world_size)][rank]
+        losses = [step(m, x, dense) for m in models]
+        assert torch.equal(*losses)
+        for (name, ours), theirs in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
+            assert torch.equal(ours.grad.to_local(), theirs.grad.to_local()), name
+        for opt in optims:
+            opt.step()
+            opt.zero_grad()
+    ours, theirs = full_values(models[0]), full_values(models[1])
+    assert all(torch.equal(v, theirs[n]) for n, v in ours.items())
+
+
+def test_experts_on_their_own_spmd_mesh_match_torch() -> None:
+    run_ranks(4, _experts_on_their_own_spmd_mesh)

@@ -187,7 +187,7 @@ def shard_modules(
     params = list(sites)
     tp_params = {p for p in params if _is_tensor_parallel(p, ties)}
     # (placements first: a parameter put on a mesh it cannot go on is refused as such, not for what that implies)
-    other_meshes: dict[tuple[Any, Any], MeshInfo] = {}
+    other_meshes: dict[tuple[Any, ...], MeshInfo] = {}
     placed = {p: _placement(p, fqns[p], shard_placement_fn, mesh_info, device, other_meshes) for p in params}
     infos = {p: info for p, (_, info) in placed.items()}
     layouts = {p: _layout(p, fqns[p], placement, infos[p], p in tp_params) for p, (placement, _) in placed.items()}
@@ -516,45 +516,43 @@ def _layout(
 # gradients divided by its own data-parallel size, and an int reshard_after_forward
 # resolved against its own shard size. Setters act on every group, except the three
 # FSDP2 also refuses with several (a custom all-gather or reduce-scatter, an all-reduce
-# hook: ValueError). Not with dp_mesh_dims, whose collectives run over named axes of
-# the one SPMD mesh.
+# hook: ValueError). With dp_mesh_dims, a mesh_info FSDP2's _get_mesh_info made from
+# another SPMD mesh and its dp_mesh_dims (torchtitan's experts on the "sparse" mesh)
+# is that mesh's data-parallel axes, as the call's are its own ([Note: SPMD meshes]).
 
 
 def _placement(
     param: torch.Tensor, fqn: str, shard_placement_fn: _ShardPlacementFn | None, mesh_info: MeshInfo,
-    device: torch.device, other_meshes: dict[tuple[Any, Any], MeshInfo],
+    device: torch.device, other_meshes: dict[tuple[Any, ...], MeshInfo],
 ) -> tuple[Any, MeshInfo]:
     """What ``shard_placement_fn`` says for ``param`` (not called for 0-dim ones): its placement, and the mesh it is
-    sharded over, ``mesh_info`` or one of ``other_meshes`` (by process groups; a new one is added there)."""
+    sharded over, ``mesh_info`` or one of ``other_meshes`` (by process groups and SPMD mesh; a new one is added)."""
     if shard_placement_fn is None or param.dim() == 0:
         return None, mesh_info
     result: Any = shard_placement_fn(cast(nn.Parameter, param))
     if not (hasattr(result, "mesh_info") and hasattr(result, "placement")):
         return result, mesh_info
     info = result.mesh_info
-    mesh = getattr(info, "mesh", None)
+    mesh, dims = getattr(info, "mesh", None), getattr(info, "dp_mesh_dims", None)
+    spmd_mesh = getattr(info, "spmd_mesh", None) if dims is not None else None
     shard_axis, replicate_axis = getattr(info, "shard_mesh_dim", None), getattr(info, "replicate_mesh_dim", None)
-    if not isinstance(mesh, DeviceMesh) or shard_axis is None:
+    if not isinstance(mesh, DeviceMesh) or shard_axis is None or (dims is not None and spmd_mesh is None):
         raise ValueError(
             f"shard_placement_fn returned a ShardPlacementResult for {fqn!r} whose mesh_info has no mesh to shard "
             f"over ({info!r}); pass an FSDPMeshInfo or HSDPMeshInfo"
         )
-    groups = (mesh.get_group(shard_axis), None if replicate_axis is None else mesh.get_group(replicate_axis))
-    if groups == (mesh_info.shard_group, mesh_info.replicate_group) and mesh_info.spmd is None:
+    key = (mesh.get_group(shard_axis), None if replicate_axis is None else mesh.get_group(replicate_axis), spmd_mesh)
+    if key == (mesh_info.shard_group, mesh_info.replicate_group, mesh_info.spmd.mesh if mesh_info.spmd else None):
         return result.placement, mesh_info
-    if mesh_info.spmd is not None:
-        raise UnsupportedError(
-            f"shard_placement_fn put {fqn!r} on a mesh of its own ({mesh}) with a ShardPlacementResult, and the "
-            "fully_shard call takes dp_mesh_dims; shard those parameters with a fully_shard call of their own"
-        )
-    if mesh.ndim != (1 if replicate_axis is None else 2) or mesh_device(mesh).type != device.type:
+    if mesh_device(mesh).type != device.type or (dims is None and mesh.ndim != (1 if replicate_axis is None else 2)):
         raise ValueError(
             f"shard_placement_fn put {fqn!r} on {mesh}: a ShardPlacementResult's mesh must be 1-D (sharding) or 2-D "
             f"(replicating and sharding) and of the fully_shard mesh's device type ({device.type})"
         )
-    if groups not in other_meshes:
-        other_meshes[groups] = MeshInfo(mesh, shard_axis=shard_axis, replicate_axis=replicate_axis)
-    return result.placement, other_meshes[groups]
+    if key not in other_meshes:  # (an SPMD mesh's data-parallel axes: torch's _get_mesh_info(mesh, dp_mesh_dims))
+        other_meshes[key] = resolve_mesh(spmd_mesh, dims) if dims is not None else MeshInfo(
+            mesh, shard_axis=shard_axis, replicate_axis=replicate_axis)
+    return result.placement, other_meshes[key]
 
 
 class FSDPModule:
