@@ -3,12 +3,16 @@ extra forward methods."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fullshard import FSDPModule, fully_shard, register_fsdp_forward_method
+from fullshard.collectives import ProcessGroupAllGather, ProcessGroupAllocated, ProcessGroupReduceScatter
 from fullshard.runtime import state_of, states_in
 from tests.comm import CommRecorder
 from tests.harness import run_ranks
@@ -184,10 +188,27 @@ def shard_with_comm_options(model: nn.Module) -> None:
     model.set_separate_reduce_scatter_group()
     model.blocks[0].set_force_sum_reduction_for_comms(True)
     model._set_unshard_async_op(True)  # FSDP2's private switch: accepted, training unchanged (parity below)
+    model.blocks[1].set_allocate_memory_from_process_group_for_comm(True)  # gloo has no allocator: the default one
 
 
 def _comm_options(rank: int, world_size: int) -> None:
+    allocated: list[tuple[int, ...]] = []
+    allocate = ProcessGroupAllocated.allocate
+
+    def counted(self: ProcessGroupAllocated, size: tuple[int, ...], **kw: Any) -> torch.Tensor:
+        allocated.append(tuple(size))
+        return allocate(self, size, **kw)
+
+    ProcessGroupAllocated.allocate = counted  # type: ignore[method-assign]
     _, model = run_parity(rank, world_size, Transformer, shard_with_comm_options, token_batch, lm_loss)
+    ProcessGroupAllocated.allocate = allocate  # type: ignore[method-assign]
+    group = state_of(model.blocks[1]).group
+    assert isinstance(group.all_gather_comm, ProcessGroupAllGather)
+    assert isinstance(group.reducer.settings.custom_comm, ProcessGroupReduceScatter)
+    assert len({len(size) for size in allocated}) == 2  # all-gather outputs (1-D), reduce-scatter inputs (2-D)
+    assert state_of(model.blocks[0]).group.all_gather_comm is None  # that module's groups only
+    model.blocks[1].set_allocate_memory_from_process_group_for_comm(False)
+    assert group.all_gather_comm is None and group.reducer.settings.custom_comm is None
     group = state_of(model.blocks[0]).group
     settings = group.reducer.settings
     assert settings.reduce_scatter_group is not None and settings.reduce_scatter_group != group.mesh_info.shard_group
@@ -201,12 +222,22 @@ def _comm_options(rank: int, world_size: int) -> None:
         model.set_reduce_scatter_max_input_buffers(0)
     with pytest.raises(TypeError, match="_set_unshard_async_op: async_op must be a bool"):
         model._set_unshard_async_op(1)
-    for method in ("set_allocate_memory_from_process_group_for_comm", "set_symm_mem_for_comm"):
-        with pytest.raises(NotImplementedError, match=f"{method} is not supported"):
-            getattr(model, method)(True) if method.startswith("set_allocate") else getattr(model, method)()
+    with pytest.raises(NotImplementedError, match="set_symm_mem_for_comm is not supported"):
+        model.set_symm_mem_for_comm()
+    model.blocks[1].set_custom_reduce_scatter(_OwnReduceScatter())
+    with pytest.raises(AssertionError, match="when reduce scatter comm is custom: _OwnReduceScatter"):
+        model.blocks[1].set_allocate_memory_from_process_group_for_comm(True)
     for method in ("set_custom_all_gather", "set_custom_reduce_scatter"):
         with pytest.raises(TypeError, match=f"{method}: comm must be a torch.distributed.fsdp"):
             getattr(model, method)(object())
+
+
+class _OwnReduceScatter:
+    def allocate(self, size: tuple[int, ...], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output: torch.Tensor, inp: torch.Tensor, group: Any, op: Any, async_op: bool = False) -> Any:
+        return dist.reduce_scatter_tensor(output, inp, op=op, group=group, async_op=async_op)
 
 
 def test_comm_options() -> None:

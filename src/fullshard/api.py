@@ -18,7 +18,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fullshard import local_step, replaced
 from fullshard.codec import QuantizedCommPolicy, make_codecs, validate_comm_policy
-from fullshard.collectives import CommStreams
+from fullshard.collectives import CommStreams, ProcessGroupAllGather, ProcessGroupReduceScatter
 from fullshard.errors import AlreadyShardedError, UnsupportedError, UsageError, expect_bool, expect_positive
 from fullshard.group import ParamGroup, ShardedState
 from fullshard.layout import ParamLayout
@@ -746,8 +746,23 @@ class FSDPModule:
             group.reducer.settings.custom_comm = comm
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
-        """Not supported: communication buffers come from the device's caching allocator."""
-        raise NotImplementedError("set_allocate_memory_from_process_group_for_comm is not supported by fullshard")
+        """Allocate this module's all-gather outputs and reduce-scatter buffers with the process group's own allocator
+        where its backend has one for the device (NCCL's registered memory, for zero-copy transfers), else from the
+        caching allocator as by default. Not with a custom all-gather or reduce-scatter (``AssertionError``, as
+        FSDP2)."""
+        expect_bool("set_allocate_memory_from_process_group_for_comm", "enable", enable)
+        for group in self._get_hook_state().groups:
+            settings = group.reducer.settings
+            for what, comm, ours in (("all gather", group.all_gather_comm, ProcessGroupAllGather),
+                                     ("reduce scatter", settings.custom_comm, ProcessGroupReduceScatter)):
+                if comm is not None and not isinstance(comm, ours):
+                    raise AssertionError(
+                        f"cannot call set_allocate_memory_from_process_group() when {what} comm is custom: "
+                        f"{type(comm).__name__}"
+                    )
+            shard_group = group.mesh_info.shard_group
+            group.all_gather_comm = ProcessGroupAllGather(shard_group) if enable else None
+            settings.custom_comm = ProcessGroupReduceScatter(settings.reduce_scatter_group or shard_group) if enable else None
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
         """Not supported: symmetric-memory collectives are not used."""

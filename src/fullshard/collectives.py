@@ -55,6 +55,7 @@ end of backward.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -270,13 +271,43 @@ def _issue_all_gather(
     if output is inp or not inp.numel():
         return None, None
     ticket = streams.issued("all-gather", label, inp.numel(), group)
-    if comm is not None:
-        work = comm(output, inp, group, async_op=True)
-    elif is_float8(inp.dtype):  # as bytes: gloo has no float8 type
-        work = all_gather_single(output.view(torch.uint8), inp.view(torch.uint8), group=group, async_op=True)
-    else:
-        work = all_gather_single(output, inp, group=group, async_op=True)
+    work = comm(output, inp, group, async_op=True) if comm is not None else _all_gather_into(output, inp, group, True)
     return work, ticket
+
+
+def _all_gather_into(
+    output: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool
+) -> dist.Work | None:
+    if is_float8(inp.dtype):  # as bytes: gloo has no float8 type
+        return all_gather_single(output.view(torch.uint8), inp.view(torch.uint8), group=group, async_op=async_op)
+    return all_gather_single(output, inp, group=group, async_op=async_op)
+
+
+class ProcessGroupAllocated:
+    """Collective buffers from the process group's own allocator where its backend has one for the device (NCCL's
+    registered memory, for zero-copy transfers), else from the caching allocator: the all-gather and reduce-scatter
+    comms of ``FSDPModule.set_allocate_memory_from_process_group_for_comm(True)``."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+
+    def allocate(self, size: tuple[int, ...], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        backend = self.group._get_backend(device) if self.group is not None else None
+        if backend is not None and backend.supports_tensor_alloc(device):
+            return backend.allocate_tensor(math.prod(size), dtype=dtype, device=device).view(size)
+        return torch.empty(size, dtype=dtype, device=device)
+
+
+class ProcessGroupAllGather(ProcessGroupAllocated):
+    def __call__(self, output: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None,
+                 async_op: bool = False) -> dist.Work | None:
+        return _all_gather_into(output, inp, group, async_op)
+
+
+class ProcessGroupReduceScatter(ProcessGroupAllocated):
+    def __call__(self, output: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None, op: Any,
+                 async_op: bool = False) -> dist.Work | None:
+        return reduce_scatter_single(output, inp, op=op, group=group, async_op=async_op)
 
 
 def all_gather_packed(
