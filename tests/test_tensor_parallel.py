@@ -385,6 +385,11 @@ def _experts_mesh_errors(rank: int, world_size: int) -> None:
         fully_shard(block, mesh=dp, reshard_after_forward=4, shard_placement_fn=lambda p: (
             fsdp_common.ShardPlacementResult(placement=Shard(0), mesh_info=edp_info) if p.dim() == 3 else None))
     assert not isinstance(block, fullshard.FSDPModule) and not isinstance(block.experts.w.placements[0], _StridedShard)
+    cube = fsdp_common.FSDPMeshInfo(init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("a", "b", "c")), shard_mesh_dim=2)
+    with pytest.raises(ValueError, match=r"put 'experts.w' on .*must be 1-D \(sharding\) or 2-D"):
+        fully_shard(block, mesh=dp, shard_placement_fn=lambda p: (
+            fsdp_common.ShardPlacementResult(placement=Shard(0), mesh_info=cube) if p.dim() == 3 else None))
+    assert not isinstance(block, fullshard.FSDPModule)
     with pytest.raises(ValueError, match="no mesh to shard over"):
         fully_shard(block, mesh=dp, shard_placement_fn=lambda p: fsdp_common.ShardPlacementResult(
             placement=Shard(0), mesh_info=object()))

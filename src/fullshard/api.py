@@ -20,7 +20,7 @@ from fullshard import local_step, replaced
 from fullshard.codec import QuantizedCommPolicy, make_codecs, validate_comm_policy
 from fullshard.collectives import CommStreams, ProcessGroupAllGather, ProcessGroupReduceScatter
 from fullshard.errors import AlreadyShardedError, UnsupportedError, UsageError, expect_bool, expect_positive
-from fullshard.group import ParamGroup, ShardedState
+from fullshard.group import ParamGroup, ShardedState, group_of
 from fullshard.layout import ParamLayout
 from fullshard.mesh import MeshInfo, SpmdMesh, concatenate_meshes, mesh_device, post_forward_group, resolve_mesh
 from fullshard.param import ParamSite, ShardedParam, TensorParallel, claimant_of
@@ -354,7 +354,8 @@ def _check_ties(
     leaving: dict[ParamGroup, list[ShardedParam]] = {}
     for source, sharing in members.items():
         for sp in sharing:
-            group = next(g for g in below[sp].groups if sp in g.params)
+            group = group_of(sp.sharded)
+            assert group is not None
             if sp.tp is not None:
                 raise ValueError(
                     f"parameter {fqns[source]!r} is tied to {sp.fqn!r} of the fully_shard group of {group.label!r} "
