@@ -126,6 +126,9 @@ class Case:
     # through a ShardPlacementResult, so each block's call forms two groups: none | hsdp (a (2, 2) or, at 2 ranks,
     # a (1, 2) replicate x shard mesh; at 4 ranks with an HSDP call mesh, the 1-D mesh) | replicated (a (ws, 1)
     # mesh: shard groups of one rank, all-reduced over all)
+    comm: str = "none"  # FSDP2's communication settings on every module: none | separate_rs (reduce-scatter on a
+    # process group of its own) | rs_buffers (2 reduce-scatter inputs in flight) | pg_alloc (buffers from the process
+    # group's allocator) | all (the three)
 
     def describe(self) -> str:
         plain = Case(self.seed)
@@ -283,8 +286,8 @@ def draw(seed: int) -> Case:
         kw.update(tie=rng.choice(["none", "within"]), zero_numel=False, quantized=False, ema=False, mixed_dtype=False,
                   branch=rng.choice(["none", "steps", "param_steps"]), optim=rng.choice(["sgd", "adamw"]),
                   clip=rng.choice(["none", "torch"]))
-        return _draw_mesh(_draw_uneven(_draw_scalar(_draw_strided(_draw_later(_draw_controls(_draw_start(_draw_user(
-            _draw_more(Case(seed, **kw))))))))))
+        return _draw_comm(_draw_mesh(_draw_uneven(_draw_scalar(_draw_strided(_draw_later(_draw_controls(_draw_start(
+            _draw_user(_draw_more(Case(seed, **kw)))))))))))
     if rng.random() < 0.12:
         kw["resume_ws"] = rng.choice([w for w in (1, 2, 4) if w != ws])
         kw["hsdp"], kw["reshard"] = False, "true" if kw["reshard"] == "int" else kw["reshard"]
@@ -292,8 +295,16 @@ def draw(seed: int) -> Case:
         kw["steps"] = max(kw["steps"], 3)
         kw["eval_pass"] = "all" if kw["eval_pass"] == "replica" else kw["eval_pass"]
         kw["scheduler"] = kw["ema"] = False  # their state is not part of the checkpoint
-    return _draw_mesh(_draw_uneven(_draw_scalar(_draw_strided(_draw_later(_draw_controls(_draw_start(_draw_user(
-        _draw_more(Case(seed, **kw))))))))))
+    return _draw_comm(_draw_mesh(_draw_uneven(_draw_scalar(_draw_strided(_draw_later(_draw_controls(_draw_start(
+        _draw_user(_draw_more(Case(seed, **kw)))))))))))
+
+
+def _draw_comm(case: Case) -> Case:
+    """FSDP2's communication settings, from a stream of their own: they change where the collectives run and what
+    their buffers live in, never the values, so every other feature must give the same numbers beside them."""
+    rng = random.Random(f"comm-{case.seed}")
+    comm = rng.choice(["none"] * 6 + ["separate_rs", "rs_buffers", "pg_alloc", "all"])
+    return dataclasses.replace(case, comm=comm)
 
 
 def _draw_mesh(case: Case) -> Case:
@@ -724,6 +735,14 @@ def shard(case: Case, model: Net, impl: str) -> None:
         for module in model.modules():
             if hasattr(module, "set_gradient_divide_factor"):
                 module.set_gradient_divide_factor(2.0 * (ws // 2 if case.tp else ws))
+    if case.comm in ("separate_rs", "all"):
+        model.set_separate_reduce_scatter_group(True)
+    if case.comm in ("rs_buffers", "all"):
+        model.set_reduce_scatter_max_input_buffers(2)
+    if case.comm in ("pg_alloc", "all"):  # each module's own setting (not inherited)
+        for module in model.modules():
+            if hasattr(module, "set_allocate_memory_from_process_group_for_comm"):
+                module.set_allocate_memory_from_process_group_for_comm(True)
     if case.prefetch:
         for before, after in zip(blocks, blocks[1:]):
             before.set_modules_to_forward_prefetch([after])
