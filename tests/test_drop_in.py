@@ -75,6 +75,52 @@ def test_fsdp2_exception_types_and_messages() -> None:
     run_ranks(2, _fsdp2_exceptions)
 
 
+def _torch_policies(rank: int, world_size: int) -> None:
+    from torch.distributed import fsdp as torch_fsdp
+
+    import fullshard
+
+    batches = random_batches(3, world_size, regression_batch)
+    traces, computed_in = [], []
+    for policies in (fullshard, torch_fsdp):
+        torch.manual_seed(0)
+        model = MLP()
+        kw = {"mp_policy": policies.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+              "offload_policy": policies.CPUOffloadPolicy(pin_memory=False)}
+        for layer in model.layers:
+            fully_shard(layer, **kw)
+        fully_shard(model, **kw)
+        model.layers[0].register_forward_pre_hook(lambda mod, args: computed_in.append(mod.weight.dtype))
+        traces.append(train(model, batches, mse_loss, rank=rank))
+    assert computed_in == [torch.bfloat16] * 6
+    ours, theirs = traces
+    torch.testing.assert_close(torch.stack(theirs.losses), torch.stack(ours.losses), rtol=0, atol=0)
+    for step, (our_grads, their_grads) in enumerate(zip(ours.grads, theirs.grads, strict=True)):
+        torch.testing.assert_close(their_grads, our_grads, rtol=0, atol=0, msg=lambda m: f"step {step}: {m}")
+    torch.testing.assert_close(theirs.params, ours.params, rtol=0, atol=0)
+
+
+def _list_group_without_root(rank: int, world_size: int) -> None:
+    def build() -> nn.Module:
+        return nn.Sequential(nn.Linear(7, 16), nn.ReLU(), nn.Linear(16, 3))
+
+    _, model = run_parity(rank, world_size, build, lambda m: fully_shard([m[0], m[2]]), regression_batch, mse_loss,
+                          steps=3)
+    assert not isinstance(model, FSDPModule) and isinstance(model[0], FSDPModule)
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+
+
+def test_list_group_without_a_sharded_root() -> None:
+    """FSDP2 raises "FSDP requires a single root module"; the listed modules' group trains as unsharded."""
+    run_ranks(2, _list_group_without_root)
+
+
+def test_torch_policy_objects_are_accepted() -> None:
+    """``MixedPrecisionPolicy`` and ``CPUOffloadPolicy`` imported from ``torch.distributed.fsdp`` work as this
+    package's own: the same training, bit for bit."""
+    run_ranks(2, _torch_policies)
+
+
 # ---- a parameter tied across groups stays tied (see [Note: Tied parameters across groups]) -------------
 
 

@@ -19,7 +19,16 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from fullshard import local_step, replaced
 from fullshard.codec import QuantizedCommPolicy, make_codecs, validate_comm_policy
 from fullshard.collectives import CommStreams, ProcessGroupAllGather, ProcessGroupReduceScatter
-from fullshard.errors import AlreadyShardedError, UnsupportedError, UsageError, expect_bool, expect_positive
+from fullshard.errors import (
+    AlreadyShardedError,
+    ArgumentTypeError,
+    EmptyModulesError,
+    ShardedElsewhereError,
+    UnsupportedError,
+    UsageError,
+    expect_bool,
+    expect_positive,
+)
 from fullshard.group import ParamGroup, ShardedState, group_of
 from fullshard.layout import ParamLayout
 from fullshard.mesh import MeshInfo, SpmdMesh, concatenate_meshes, mesh_device, post_forward_group, resolve_mesh
@@ -165,6 +174,12 @@ def shard_modules(
                 continue
             fqn = f"{prefix}.{name}" if prefix else name
             tied = _tied_to(param, below, below_sharded)
+            if tied is None and isinstance(param, DTensor) and (owner := group_of(param)) is not None:
+                raise ShardedElsewhereError(
+                    f"parameter {fqn!r} is already sharded by the fully_shard call on {owner.label!r}, which is not "
+                    "inside this call: apply fully_shard to submodules before their parents, and shard modules that "
+                    "share a parameter together or from a common ancestor"
+                )
             source = param if tied is None else tied.sharded
             if tied is not None:
                 ties[source] = tied
@@ -255,10 +270,10 @@ def _resolve_reshard_after_forward(value: bool | int | None, mesh_info: MeshInfo
 def _validate_modules(module: nn.Module | list[nn.Module]) -> list[nn.Module]:
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules:
-        raise ValueError("fully_shard got an empty list of modules")
+        raise EmptyModulesError("fully_shard got an empty list of modules")
     for mod in modules:
         if not isinstance(mod, nn.Module):
-            raise TypeError(f"fully_shard expects an nn.Module or a list of them, got {type(mod).__name__}")
+            raise ArgumentTypeError(f"fully_shard expects an nn.Module or a list of them, got {type(mod).__name__}")
         if type(mod).forward is nn.Module.forward and isinstance(mod, (nn.ModuleList, nn.ModuleDict)):
             raise ValueError(
                 f"fully_shard does not support containers that do not implement forward: {type(mod).__name__}; "

@@ -28,6 +28,24 @@ class MetaParameterError(ValueError, RuntimeError):
     """A parameter still on the meta device at the first forward (FSDP2 raises ``RuntimeError``)."""
 
 
+class ArgumentTypeError(TypeError, AttributeError):
+    """An argument of the wrong type: a tensor where a module goes, a string for a mesh, another object for a
+    policy. FSDP2 fails on it with ``AttributeError`` where it first uses it (also a ``TypeError``)."""
+
+
+class EmptyModulesError(ValueError, IndexError):
+    """``fully_shard([])`` (FSDP2 raises ``IndexError``)."""
+
+
+class DtypeError(ValueError, RuntimeError):
+    """A policy dtype that is not a floating-point dtype (FSDP2 fails with ``RuntimeError`` at the first forward)."""
+
+
+class ShardedElsewhereError(ValueError, TypeError):
+    """``fully_shard`` on a module whose parameter another call has sharded already, e.g. a child after its parent
+    (FSDP2 raises ``TypeError``)."""
+
+
 def expect_bool(where: str, name: str, value: object) -> bool:
     """``value`` when it is a bool; else ``TypeError`` naming the argument (``where``: the function)."""
     if not isinstance(value, bool):

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 
-from fullshard.errors import UsageError
+from fullshard.errors import ArgumentTypeError, UsageError
 
 try:
     from torch.distributed.fsdp import DataParallelMeshDims
@@ -132,7 +132,7 @@ def resolve_mesh(mesh: DeviceMesh | None, dp_mesh_dims: object | None = None) ->
                 ) from err
         mesh = init_device_mesh(default_device_type(), (dist.get_world_size(),))
     if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
+        raise ArgumentTypeError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
     if dp_mesh_dims is not None:
         return _mesh_info_from_names(mesh, dp_mesh_dims)
     if mesh.ndim not in (1, 2):

@@ -1,10 +1,19 @@
-"""Policies are data: small frozen dataclasses checked when ``fully_shard`` is called."""
+"""Policies are data: small frozen dataclasses checked when ``fully_shard`` is called.
+
+torch's own policy objects (``torch.distributed.fsdp.MixedPrecisionPolicy``,
+``CPUOffloadPolicy``, ``OffloadPolicy``) are accepted too, as the equal policy
+here: code that imports its policies from torch and ``fully_shard`` from here
+works unchanged.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+from torch.distributed import fsdp as torch_fsdp
+
+from fullshard.errors import ArgumentTypeError, DtypeError
 
 
 @dataclass(frozen=True)
@@ -46,19 +55,32 @@ class CPUOffloadPolicy(OffloadPolicy):
 
 
 def validate_mp_policy(policy: object) -> MixedPrecisionPolicy:
+    if isinstance(policy, torch_fsdp.MixedPrecisionPolicy):
+        policy = MixedPrecisionPolicy(policy.param_dtype, policy.reduce_dtype, policy.output_dtype,
+                                      policy.cast_forward_inputs)
     if not isinstance(policy, MixedPrecisionPolicy):
-        raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(policy).__name__}")
+        raise ArgumentTypeError(f"mp_policy must be a MixedPrecisionPolicy, got {_described(policy)}")
     for field in ("param_dtype", "reduce_dtype", "output_dtype"):
         dtype = getattr(policy, field)
         if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
-            raise ValueError(f"MixedPrecisionPolicy.{field} must be a floating-point torch.dtype or None, got {dtype!r}")
+            raise DtypeError(f"MixedPrecisionPolicy.{field} must be a floating-point torch.dtype or None, got {dtype!r}")
     return policy
 
 
 def validate_offload_policy(policy: object) -> OffloadPolicy:
+    if isinstance(policy, torch_fsdp.CPUOffloadPolicy):
+        policy = CPUOffloadPolicy(policy.pin_memory)
+    elif isinstance(policy, torch_fsdp.OffloadPolicy):
+        policy = OffloadPolicy()
     if not isinstance(policy, OffloadPolicy):
-        raise TypeError(f"offload_policy must be an OffloadPolicy, got {type(policy).__name__}")
+        raise ArgumentTypeError(f"offload_policy must be an OffloadPolicy, got {_described(policy)}")
     pin_memory = getattr(policy, "pin_memory", False)
     if not isinstance(pin_memory, bool):
         raise TypeError(f"CPUOffloadPolicy.pin_memory must be a bool, got {type(pin_memory).__name__}")
     return policy
+
+
+def _described(value: object) -> str:
+    """A wrong argument's type, or the class itself when a class was passed where an instance goes."""
+    return f"the class {value.__name__} (an instance is needed: {value.__name__}())" if isinstance(value, type) \
+        else type(value).__name__
