@@ -59,13 +59,15 @@ FULLY_SHARD: list[tuple[str, Callable[[nn.Module], Any], Kinds, str]] = [
     ("mesh", lambda m: fully_shard(m, mesh="cpu"), (TypeError, AttributeError),
      "mesh must be a torch.distributed.device_mesh.DeviceMesh"),
     ("reshard_after_forward type", lambda m: fully_shard(m, reshard_after_forward="yes"), ValueError,
-     "reshard_after_forward should be a bool"),
+     r"reshard_after_forward should be a bool or an int representing the group size to reshard to, not yes \(a "
+     r"bool, an int or None: got str\)"),
     ("reshard_after_forward value", lambda m: fully_shard(m, reshard_after_forward=3), ValueError,
      "it should be a factor of 2, not 3"),
     ("shard_placement_fn", lambda m: fully_shard(m, shard_placement_fn=3), TypeError,
      "shard_placement_fn must be callable or None, got int"),
     ("shard_placement_fn result", lambda m: fully_shard(m, shard_placement_fn=lambda p: Replicate()), ValueError,
-     r"shard_placement_fn must return a Shard or None, got Replicate\(\) for '0.weight'"),
+     r"Invalid shard_placement_fn result: R \(shard_placement_fn must return a Shard or None, got Replicate\(\) "
+     r"for '0.weight'\)"),
     ("module listed twice", lambda m: fully_shard([m[0], m[2], m[0]]), AssertionError,
      r"fully_shard got the same Linear twice in its list of modules \(index 2\)"),
     ("mp_policy type", lambda m: fully_shard(m, mp_policy="bf16"), (TypeError, AttributeError),

@@ -136,7 +136,8 @@ def shard_modules(
     modules = _validate_modules(module)
     if not isinstance(reshard_after_forward, (bool, int, type(None))):
         raise ValueError(
-            f"reshard_after_forward should be a bool, an int or None, not {reshard_after_forward!r}"
+            "reshard_after_forward should be a bool or an int representing the group size to reshard to, not "
+            f"{reshard_after_forward} (a bool, an int or None: got {type(reshard_after_forward).__name__})"
         )
     mp_policy = validate_mp_policy(mp_policy)
     comm_policy = validate_comm_policy(comm_policy)
@@ -501,7 +502,8 @@ def _layout(
                 f"{placement} for {fqn!r} with shape {tuple(param.shape)}"
             )
     else:
-        raise ValueError(f"shard_placement_fn must return a Shard or None, got {placement!r} for {fqn!r}")
+        raise ValueError(f"Invalid shard_placement_fn result: {placement} (shard_placement_fn must return a Shard or "
+                         f"None, got {placement!r} for {fqn!r})")
     data = cast(DTensor, param).to_local() if tensor_parallel else param  # tensor parallel: its local piece
     layout = ParamLayout(tuple(data.shape), dim, mesh_info.shard_size)
     extension = hasattr(data, "fsdp_pre_all_gather") or hasattr(data, "fsdp_post_all_gather")
