@@ -13,9 +13,11 @@ import functools
 import pytest
 import torch
 from torch import nn
+from torch.distributed import fsdp as torch_fsdp
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+import fullshard
 import fullshard.optim
 from fullshard import EMA, FSDPModule, fully_shard
 from fullshard.fsdp1 import summon_full_params
@@ -76,10 +78,6 @@ def test_fsdp2_exception_types_and_messages() -> None:
 
 
 def _torch_policies(rank: int, world_size: int) -> None:
-    from torch.distributed import fsdp as torch_fsdp
-
-    import fullshard
-
     batches = random_batches(3, world_size, regression_batch)
     traces, computed_in = [], []
     for policies in (fullshard, torch_fsdp):

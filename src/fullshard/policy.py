@@ -82,5 +82,6 @@ def validate_offload_policy(policy: object) -> OffloadPolicy:
 
 def _described(value: object) -> str:
     """A wrong argument's type, or the class itself when a class was passed where an instance goes."""
-    return f"the class {value.__name__} (an instance is needed: {value.__name__}())" if isinstance(value, type) \
-        else type(value).__name__
+    if isinstance(value, type):
+        return f"the class {value.__name__} (an instance is needed: {value.__name__}())"
+    return type(value).__name__
