@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import pytest
 import torch
@@ -40,11 +41,11 @@ def reference_casts(loss_fn, param_dtype: torch.dtype, output_dtype: torch.dtype
     return loss
 
 
-def shard_with(policy: MixedPrecisionPolicy, children: str, model: nn.Module) -> None:
-    """Children compute in param_dtype end to end; only the root casts its output."""
+def shard_with(policy: MixedPrecisionPolicy, children: str, model: nn.Module, **kwargs: Any) -> None:
+    """Children compute in param_dtype end to end; only the root casts its output. ``kwargs`` go to every call."""
     for child in getattr(model, children):
-        fully_shard(child, mp_policy=dataclasses.replace(policy, output_dtype=None))
-    fully_shard(model, mp_policy=policy)
+        fully_shard(child, mp_policy=dataclasses.replace(policy, output_dtype=None), **kwargs)
+    fully_shard(model, mp_policy=policy, **kwargs)
 
 
 def _mp(rank: int, world_size: int, reduce_dtype: torch.dtype | None, model_kind: str) -> None:

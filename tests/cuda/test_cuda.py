@@ -351,3 +351,27 @@ def test_replicated_scalars_on_streams(offload: bool) -> None:
     for name, p in model.named_parameters():
         if p.dim() == 0:
             assert p.to_local().device.type == ("cpu" if offload else "cuda"), name
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_parameters_on_another_mesh(offload: bool) -> None:
+    """Every call's 1-D parameters on a (replicate, shard) mesh of their own through a ``ShardPlacementResult``, so
+    each call forms two groups whose all-gathers, reduce-scatters and bf16 copy-ins share the streams; with and
+    without pinned-memory offload."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo, ShardPlacementResult
+    from torch.distributed.tensor import Shard
+
+    from tests.test_mixed_precision import reference_casts, shard_with
+
+    other = HSDPMeshInfo(init_device_mesh("cuda", (1, 1), mesh_dim_names=("r", "s")), shard_mesh_dim=1,
+                         replicate_mesh_dim=0)
+    kwargs: dict[str, Any] = {
+        "shard_placement_fn": lambda p: ShardPlacementResult(Shard(0), other) if p.dim() == 1 else None,
+    }
+    if offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
+    policy = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32, output_dtype=torch.float32)
+    model = cuda_parity(Transformer, functools.partial(shard_with, policy, "blocks", **kwargs), token_batch,
+                        reference_casts(lm_loss, BF16, torch.float32), **BF16_TOL)
+    meshes = {p.device_mesh.mesh_dim_names for p in model.parameters()}
+    assert ("r", "s") in meshes and len(meshes) == 2
