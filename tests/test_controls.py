@@ -222,8 +222,6 @@ def _comm_options(rank: int, world_size: int) -> None:
         model.set_reduce_scatter_max_input_buffers(0)
     with pytest.raises(TypeError, match="_set_unshard_async_op: async_op must be a bool"):
         model._set_unshard_async_op(1)
-    with pytest.raises(NotImplementedError, match="set_symm_mem_for_comm is not supported"):
-        model.set_symm_mem_for_comm()
     model.blocks[1].set_custom_reduce_scatter(_OwnReduceScatter())
     with pytest.raises(AssertionError, match="when reduce scatter comm is custom: _OwnReduceScatter"):
         model.blocks[1].set_allocate_memory_from_process_group_for_comm(True)
@@ -242,3 +240,46 @@ class _OwnReduceScatter:
 
 def test_comm_options() -> None:
     run_ranks(2, _comm_options)
+
+
+def _symm_mem(rank: int, world_size: int) -> None:
+    """``set_symm_mem_for_comm`` as FSDP2 checks it: beside the process group's allocator or a custom comm an
+    ``AssertionError``; where torch has no NCCL symmetric memory (this CPU build) torch's own ``RuntimeError``, as
+    FSDP2 raises; where it has, a warning, and the buffers and values are those of the default."""
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    torch.manual_seed(0)
+    model = Transformer()
+    shard_transformer(model)
+    model.blocks[1].set_allocate_memory_from_process_group_for_comm(True)
+    with pytest.raises(AssertionError, match=r"set_symm_mem\(\) when all gather comm is custom: ProcessGroupAllGather"):
+        model.blocks[1].set_symm_mem_for_comm()
+    model.blocks[1].set_allocate_memory_from_process_group_for_comm(False)
+    model.blocks[0].set_custom_reduce_scatter(_OwnReduceScatter())
+    try:
+        symm_mem.set_backend("NCCL")
+    except RuntimeError as torch_error:
+        with pytest.raises(RuntimeError) as ours:
+            model.blocks[1].set_symm_mem_for_comm()
+        assert str(ours.value) == str(torch_error) and not isinstance(ours.value, AssertionError)
+    backends: list[str] = []
+    set_backend = symm_mem.set_backend
+    symm_mem.set_backend = backends.append  # type: ignore[assignment]  # a torch that has it
+    try:
+        with pytest.raises(AssertionError, match="when reduce scatter comm is custom: _OwnReduceScatter"):
+            model.blocks[0].set_symm_mem_for_comm()
+
+        def shard(m: nn.Module) -> None:
+            shard_transformer(m)
+            with pytest.warns(UserWarning, match="does not allocate its collective buffers from symmetric memory"):
+                m.set_symm_mem_for_comm()
+
+        _, sharded = run_parity(rank, world_size, Transformer, shard, token_batch, lm_loss)
+    finally:
+        symm_mem.set_backend = set_backend
+    assert backends == ["NCCL", "NCCL"]  # blocks[0]'s group, then the root's (the check comes after, as FSDP2)
+    assert all(s.group.all_gather_comm is None for s in states_in(sharded))
+
+
+def test_symm_mem_for_comm() -> None:
+    run_ranks(2, _symm_mem)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import functools
 import logging
 import types
+import warnings
 from collections.abc import Callable
-from typing import Any, NoReturn, cast, overload
+from typing import Any, Literal, NoReturn, cast, overload
 
 import torch
 import torch.distributed as dist
@@ -466,6 +467,12 @@ def _check_placements(param: DTensor, fqn: str) -> None:
         raise ValueError(f"parameter {fqn!r} has placements {param.placements}; fully_shard takes Shard or Replicate ones")
 
 
+def _refuse_custom_comm(call: str, what: str, comm: object, ours: type | tuple[type, ...]) -> None:
+    """FSDP2's ``AssertionError`` for ``call`` beside a custom ``what`` comm (one not of the types ``ours``)."""
+    if comm is not None and not isinstance(comm, ours):
+        raise AssertionError(f"cannot call {call}() when {what} comm is custom: {type(comm).__name__}")
+
+
 def _check_comm(method: str, comm: Any) -> None:
     if comm is not None and not (callable(comm) and callable(getattr(comm, "allocate", None))):
         raise TypeError(
@@ -771,20 +778,31 @@ class FSDPModule:
         expect_bool("set_allocate_memory_from_process_group_for_comm", "enable", enable)
         for group in self._get_hook_state().groups:
             settings = group.reducer.settings
-            for what, comm, ours in (("all gather", group.all_gather_comm, ProcessGroupAllGather),
-                                     ("reduce scatter", settings.custom_comm, ProcessGroupReduceScatter)):
-                if comm is not None and not isinstance(comm, ours):
-                    raise AssertionError(
-                        f"cannot call set_allocate_memory_from_process_group() when {what} comm is custom: "
-                        f"{type(comm).__name__}"
-                    )
+            _refuse_custom_comm("set_allocate_memory_from_process_group", "all gather", group.all_gather_comm,
+                                ProcessGroupAllGather)
+            _refuse_custom_comm("set_allocate_memory_from_process_group", "reduce scatter", settings.custom_comm,
+                                ProcessGroupReduceScatter)
             shard_group = group.mesh_info.shard_group
             group.all_gather_comm = ProcessGroupAllGather(shard_group) if enable else None
             settings.custom_comm = ProcessGroupReduceScatter(settings.reduce_scatter_group or shard_group) if enable else None
 
-    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
-        """Not supported: symmetric-memory collectives are not used."""
-        raise NotImplementedError("set_symm_mem_for_comm is not supported by fullshard")
+    def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
+        """Accepted for code written for FSDP2, where it allocates this module's all-gather buffers from symmetric
+        memory (an NCCL transport optimisation that leaves the values unchanged). fullshard checks what FSDP2 checks
+        (no custom all-gather or reduce-scatter, including the process group's allocator: ``AssertionError``; torch
+        knows ``backend``: ``RuntimeError`` from torch where it does not, as on builds without NCCL), then warns that
+        it keeps its buffers where they are."""
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        for group in self._get_hook_state().groups:
+            _refuse_custom_comm("set_symm_mem", "all gather", group.all_gather_comm, ())
+            symm_mem.set_backend(backend)
+            _refuse_custom_comm("set_symm_mem", "reduce scatter", group.reducer.settings.custom_comm, ())
+        warnings.warn(
+            "set_symm_mem_for_comm: fullshard does not allocate its collective buffers from symmetric memory; "
+            "they stay in the caching allocator (the values are the same)",
+            stacklevel=2,
+        )
 
     def _set_unshard_async_op(self, async_op: bool) -> None:
         """Accepted for code written for FSDP2 (where it is private): there it issues the unshards as asynchronous
