@@ -26,9 +26,10 @@ from tests.parity import run_parity
 transformers = pytest.importorskip("transformers", reason="the [hf] extra is not installed")
 
 Batch = dict[str, torch.Tensor]
+Case = tuple[Callable[[], nn.Module], list[str], Callable[[torch.Generator], Batch]]  # build, the block lists to shard, a batch
 
 
-def _t5() -> tuple[Callable[[], nn.Module], list[str], Callable[[torch.Generator], Batch]]:
+def _t5() -> Case:
     config = transformers.T5Config(vocab_size=40, d_model=16, d_kv=4, d_ff=24, num_layers=2, num_decoder_layers=2,
                                    num_heads=4, dropout_rate=0.0, tie_word_embeddings=True, decoder_start_token_id=0,
                                    pad_token_id=0)
@@ -40,7 +41,7 @@ def _t5() -> tuple[Callable[[], nn.Module], list[str], Callable[[torch.Generator
     return lambda: transformers.T5ForConditionalGeneration(config), ["encoder.block", "decoder.block"], batch
 
 
-def _mixtral() -> tuple[Callable[[], nn.Module], list[str], Callable[[torch.Generator], Batch]]:
+def _mixtral() -> Case:
     config = transformers.MixtralConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_attention_heads=4,
                                         num_key_value_heads=2, num_hidden_layers=2, num_local_experts=4,
                                         num_experts_per_tok=1, max_position_embeddings=16)
@@ -52,7 +53,7 @@ def _mixtral() -> tuple[Callable[[], nn.Module], list[str], Callable[[torch.Gene
     return lambda: transformers.MixtralForCausalLM(config), ["model.layers"], batch
 
 
-def _wav2vec2() -> tuple[Callable[[], nn.Module], list[str], Callable[[torch.Generator], Batch]]:
+def _wav2vec2() -> Case:
     config = transformers.Wav2Vec2Config(
         vocab_size=12, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24,
         conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=8,
@@ -66,7 +67,7 @@ def _wav2vec2() -> tuple[Callable[[], nn.Module], list[str], Callable[[torch.Gen
     return lambda: transformers.Wav2Vec2ForCTC(config), ["wav2vec2.encoder.layers"], batch
 
 
-MODELS: dict[str, Callable[[], tuple[Callable[[], nn.Module], list[str], Callable[[torch.Generator], Batch]]]] = {
+MODELS: dict[str, Callable[[], Case]] = {
     "t5": _t5, "mixtral": _mixtral, "wav2vec2": _wav2vec2,
 }
 
