@@ -1,8 +1,8 @@
 """Differential fuzzer: random but reproducible training cases, sharded against the unsharded model and FSDP2.
 
 A seed draws a :class:`Case`: a model (depth, uneven widths down to one row, a zero-element parameter,
-ties within and across groups and made after ``fully_shard``, a frozen parameter, branches taken on some
-steps or some ranks, buffers, a list group, a nested ``fully_shard``, outputs in containers), policies
+ties within and across groups and made after ``fully_shard``, a complex parameter, a frozen parameter, branches
+taken on some steps or some ranks, buffers, a list group, a nested ``fully_shard``, outputs in containers), policies
 (mixed precision, CPU offload, ``reshard_after_forward`` bool or int, an HSDP mesh, ``QuantizedCommPolicy``)
 and a schedule (gradient accumulation with sync toggles, evaluation passes on all ranks or one replica,
 manual ``unshard()``, torch's or fullshard's SGD / AdamW, param groups splitting fullshard groups, an lr
@@ -77,6 +77,7 @@ class Case:
     nested: bool = False  # block 0's linear sharded on its own inside block 0's group
     container: bool = False  # blocks return (tensor, {"aux": tensor})
     mixed_dtype: bool = False  # block 0's linear layer in float64 beside the group's fp32 parameters
+    complex: bool = False  # block 0 multiplies its output by a complex64 gain (real and imaginary parts summed)
     mp: str = "none"  # none | bf16 | bf16_fp32_reduce
     offload: bool = False
     reshard: str = "true"  # true | false | int (2 of 4 ranks) | root_false
@@ -165,7 +166,7 @@ class Case:
         over micro-batches likewise (seed 6319: both within 1.5e-3 of the reference, 1.7e-3 apart)."""
         return (self.tie in ("none", "within") and not self.zero_numel and not self.strided and not self.reassign_later
                 and not self.scalar and not self.uneven1
-                and self.branch != "ranks" and not self.mixed_dtype and self.optim in ("sgd", "adamw")
+                and self.branch != "ranks" and not self.mixed_dtype and not self.complex and self.optim in ("sgd", "adamw")
                 and self.clip != "fullshard" and not self.quantized
                 and not self.ema and self.resume_ws == 0 and self.user in ("none", "reentrant")
                 and not (self.reuse and (self.user == "reentrant" or (self.mp == "bf16" and (
@@ -286,8 +287,8 @@ def draw(seed: int) -> Case:
         kw.update(tie=rng.choice(["none", "within"]), zero_numel=False, quantized=False, ema=False, mixed_dtype=False,
                   branch=rng.choice(["none", "steps", "param_steps"]), optim=rng.choice(["sgd", "adamw"]),
                   clip=rng.choice(["none", "torch"]))
-        return _draw_comm(_draw_mesh(_draw_uneven(_draw_scalar(_draw_strided(_draw_later(_draw_controls(_draw_start(
-            _draw_user(_draw_more(Case(seed, **kw)))))))))))
+        return _draw_complex(_draw_comm(_draw_mesh(_draw_uneven(_draw_scalar(_draw_strided(_draw_later(_draw_controls(
+            _draw_start(_draw_user(_draw_more(Case(seed, **kw))))))))))))
     if rng.random() < 0.12:
         kw["resume_ws"] = rng.choice([w for w in (1, 2, 4) if w != ws])
         kw["hsdp"], kw["reshard"] = False, "true" if kw["reshard"] == "int" else kw["reshard"]
@@ -295,8 +296,22 @@ def draw(seed: int) -> Case:
         kw["steps"] = max(kw["steps"], 3)
         kw["eval_pass"] = "all" if kw["eval_pass"] == "replica" else kw["eval_pass"]
         kw["scheduler"] = kw["ema"] = False  # their state is not part of the checkpoint
-    return _draw_comm(_draw_mesh(_draw_uneven(_draw_scalar(_draw_strided(_draw_later(_draw_controls(_draw_start(
-        _draw_user(_draw_more(Case(seed, **kw)))))))))))
+    return _draw_complex(_draw_comm(_draw_mesh(_draw_uneven(_draw_scalar(_draw_strided(_draw_later(_draw_controls(
+        _draw_start(_draw_user(_draw_more(Case(seed, **kw))))))))))))
+
+
+def _draw_complex(case: Case) -> Case:
+    """A complex parameter in block 0's group ([Note: Complex and integer parameters] in group.py), from a stream of
+    its own; not where torch's FSDP2 is compared (it refuses a group of two dtypes) nor with tensor parallel (the
+    gain on a column-parallel output would have to be a DTensor on "tp"). Nor with torch's AdamW where its step
+    stays on DTensor's path (beside an extension's subclass or a parameter replaced mid-run): DTensor's view_as_real
+    of an unevenly sharded complex DTensor is a replicated copy, and the update goes to it (torch 2.13; FSDP2's case)."""
+    rng = random.Random(f"complex-{case.seed}")
+    dtensor_adam = case.optim == "adamw" and (case.extension or case.reassign_later)
+    if rng.random() >= 0.2 or case.fsdp2_supported or case.tp or dtensor_adam:
+        return case
+    # (a group of several dtypes takes no int reshard_after_forward)
+    return dataclasses.replace(case, complex=True, reshard="true" if case.reshard == "int" else case.reshard)
 
 
 def _draw_comm(case: Case) -> Case:
@@ -436,6 +451,8 @@ class Block(nn.Module):
             self.extra = nn.Linear(d_out, d_out)
         if case.scalar and index == 0:
             self.gate = nn.Parameter(torch.tensor(0.8))
+        if case.complex and index == 0:
+            self.gain = nn.Parameter(torch.ones(d_out, dtype=torch.complex64))
         self.active_rank = 0  # set before each forward (the reference runs every rank's batch)
         self.step = 0
 
@@ -457,6 +474,8 @@ class Block(nn.Module):
         h = torch.tanh(h)
         if hasattr(self, "gate"):
             h = h * self.gate
+        if hasattr(self, "gain"):  # complex arithmetic in every precision: a policy does not cast the gain
+            h = torch.view_as_real(h.to(self.gain.dtype) * self.gain).sum(-1).to(h.dtype)
         if self.case.buffers:
             h = h * self.scale.to(h.dtype)  # buffers keep their dtype under mixed precision
         if self.case.user in ("view_out", "inplace_inputs"):
@@ -529,7 +548,7 @@ def build(case: Case) -> Net:
     model = Net(case)
     with torch.no_grad():
         for p in model.parameters():
-            p.uniform_(-0.6, 0.6)
+            (torch.view_as_real(p) if p.is_complex() else p).uniform_(-0.6, 0.6)
     if case.mixed_dtype:
         model.blocks[0].lin.double()
     return model
@@ -775,7 +794,8 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
     from fullshard.param import full_tensor
 
-    return (full_tensor(t) if isinstance(t, DTensor) else t).detach().float().cpu().clone()
+    t = (full_tensor(t) if isinstance(t, DTensor) else t).detach()
+    return (t if t.is_complex() else t.float()).cpu().clone()
 
 
 @dataclass
@@ -909,7 +929,10 @@ def reference_bf16_backward(case: Case, model: Net, per_rank: list[Any], unreduc
     hold = case.mp == "bf16" and case.accumulation > 1 and not case.sync_each
     losses, per_rank_grads = [], []
     for r, (x, y) in enumerate(per_rank):
-        work = copy.deepcopy(model).to(torch.bfloat16)
+        work = copy.deepcopy(model)
+        for p in work.parameters():  # the floating-point ones, as the policy casts them
+            if p.is_floating_point():
+                p.data = p.data.to(torch.bfloat16)
         work.set_rank(r)
         loss = loss_of(work, (x.to(torch.bfloat16), y))
         loss.backward()
@@ -925,7 +948,8 @@ def reference_bf16_backward(case: Case, model: Net, per_rank: list[Any], unreduc
             return losses
         per_rank_grads = unreduced
     for name, p in model.named_parameters():
-        grads = [g[name].to(reduce_dtype) for g in per_rank_grads if name in g]
+        dtype = p.dtype if p.is_complex() else reduce_dtype  # complex gradients reduce in their own dtype
+        grads = [g[name].to(dtype) for g in per_rank_grads if name in g]
         if not grads:
             continue
         total = grads[0]
@@ -1025,14 +1049,19 @@ def run_batch(rank: int, world_size: int, jobs: list[tuple[Case, str, int, str]]
 # ---- comparison ---------------------------------------------------------------------------------------
 
 
+def _real(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float64, a complex tensor as its (real, imaginary) pairs."""
+    return (torch.view_as_real(t) if t.is_complex() else t).double()
+
+
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).abs().max())
+    return float((_real(a) - _real(b)).abs().max())
 
 
 def _close(value: torch.Tensor, expected: torch.Tensor, tol: dict[str, float]) -> bool:
     """``allclose`` with ``tol``'s rtol and atol; ``scaled`` raises atol to that fraction of ``expected``'s largest
     magnitude (reductions that round once per rank)."""
-    value, expected = value.double(), expected.double()
+    value, expected = _real(value), _real(expected)
     atol = tol["atol"]
     if "scaled" in tol and expected.numel():
         atol = max(atol, tol["scaled"] * float(expected.abs().max()))

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from fullshard import MixedPrecisionPolicy, fully_shard
+from fullshard import MixedPrecisionPolicy, clip_grad_norm_, fully_shard
 from fullshard.runtime import state_of
 from tests.comm import CommRecorder
 from tests.harness import run_ranks
@@ -187,3 +187,124 @@ def test_frozen_float8_parameter_beside_trainable_ones(bf16: bool, alone: bool) 
     """torch's promotion refuses float8, which a mixed group's reduce dtype used to come from; gloo has no float8
     type, so a group of float8 alone all-gathers bytes."""
     run_ranks(2, _float8_frozen, bf16, alone)
+
+
+class Spectral(nn.Module):
+    """A complex weight (as in Fourier layers and state-space models)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(6, 7, dtype=torch.complex64) / 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.w.dtype) @ self.w.T
+
+
+class Head(nn.Module):
+    """A complex gain, a frozen integer permutation and a real linear layer: one group of three dtypes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.randn(6, dtype=torch.complex64))
+        self.perm = nn.Parameter(torch.randperm(6), requires_grad=False)
+        self.lin = nn.Linear(6, 3)
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        feats = (z[:, self.perm] * self.gain).abs()
+        return self.lin(feats.to(self.lin.weight.dtype))
+
+
+class ComplexNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.spectral = Spectral()
+        self.head = Head()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.spectral(x)).float()
+
+
+def _complex(rank: int, world_size: int, reduce_dtype: torch.dtype | None, accumulate: bool, quantized: bool) -> None:
+    """Under a param_dtype only floating-point parameters are cast (as in FSDP2): complex and integer ones compute
+    in their own dtype, and complex gradients reduce in a complex dtype whatever the reduce_dtype (FSDP2 casts them
+    to it, dropping their imaginary parts). Quantized communication leaves them as they are too."""
+    from fullshard import QuantizedCommPolicy
+    from tests.test_mixed_precision import reference_casts
+
+    f64 = torch.float64
+    policy = MixedPrecisionPolicy(param_dtype=f64, reduce_dtype=reduce_dtype)
+    # (on the complex group only, so the real layers travel exact)
+    extra = {"comm_policy": QuantizedCommPolicy(reduce_dtype=torch.float32)} if quantized else {}
+
+    def shard(model: nn.Module) -> None:
+        fully_shard(model.spectral, mp_policy=policy, **extra)  # complex alone
+        fully_shard(model, mp_policy=policy)  # complex, int64 and fp32
+
+    loss_fn = reference_casts(mse_loss, f64, None)
+    if not accumulate:
+        _, model = run_parity(rank, world_size, ComplexNet, shard, regression_batch, loss_fn, steps=3)
+    else:  # two micro-batches, the first without gradient sync
+        torch.manual_seed(0)
+        ref, model = ComplexNet(), ComplexNet()
+        model.load_state_dict(ref.state_dict())
+        shard(model)
+        micro = random_batches(2, world_size, regression_batch)
+        for i, batch in enumerate(micro):
+            model.set_requires_gradient_sync(i == len(micro) - 1)
+            loss_fn(model, batch[rank]).backward()
+            (sum(loss_fn(ref, b) for b in batch) / world_size).backward()
+        # fullshard's clip_grad_norm_ over complex, fp32 and float64 (upcast) gradients, as torch's on the reference
+        for norm_type in (2.0, float("inf")):
+            total = clip_grad_norm_(model, 1e-3, norm_type=norm_type)
+            torch.testing.assert_close(total, torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e-3, norm_type=norm_type))
+        for (name, p), ref_p in zip(model.named_parameters(), ref.parameters()):
+            if ref_p.grad is None:
+                assert p.grad is None, name
+                continue
+            assert p.grad.dtype == ref_p.dtype, name
+            torch.testing.assert_close(p.grad.full_tensor(), ref_p.grad, msg=lambda m: f"{name}: {m}")
+    assert model.spectral.w.dtype == torch.complex64 and model.head.perm.dtype == torch.int64
+    assert model.head.perm.to_local().dtype == torch.int64
+    torch.manual_seed(0)
+    assert torch.equal(model.head.perm.full_tensor(), ComplexNet().head.perm)
+
+
+@pytest.mark.parametrize(("reduce_dtype", "accumulate", "quantized"), [
+    (None, False, False), (torch.float32, False, False), (torch.float32, True, False), (None, False, True),
+], ids=["compute-reduce", "fp32-reduce", "fp32-reduce-accumulated", "quantized-comm"])
+def test_complex_and_integer_parameters_keep_their_dtype_under_param_dtype(
+    reduce_dtype: torch.dtype | None, accumulate: bool, quantized: bool
+) -> None:
+    run_ranks(2, _complex, reduce_dtype, accumulate, quantized)
+
+
+class Gain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.randn(9, dtype=torch.complex64))  # 5 and 4 rows on 2 ranks
+        self.lin = nn.Linear(7, 9)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.view_as_real(self.lin(x) * self.gain).sum(-1)[:, :3]
+
+
+def _complex_adam(rank: int, world_size: int) -> None:
+    """Adam steps a complex parameter through real views of its tensors; on a complex ``DTensor`` sharded unevenly
+    DTensor's view_as_real is a replicated copy, which the update would go to (FSDP2's case). torch's AdamW (local
+    steps) and fullshard's step local tensors."""
+    import fullshard.optim
+
+    batches = random_batches(3, world_size, regression_batch)
+    for sharded_adamw in (torch.optim.AdamW, fullshard.optim.AdamW):
+        torch.manual_seed(0)
+        ref, model = Gain(), Gain()
+        model.load_state_dict(ref.state_dict())
+        fully_shard(model)
+        ref_trace = train(ref, batches, mse_loss, rank=None, make_optim=lambda ps: torch.optim.AdamW(ps, lr=0.05))
+        trace = train(model, batches, mse_loss, rank=rank, make_optim=lambda ps: sharded_adamw(ps, lr=0.05))
+        assert_parity(ref_trace, trace, rank)
+        assert model.gain.dtype == torch.complex64 and model.gain.to_local().shape == (5 - rank,)
+
+
+def test_complex_parameter_sharded_unevenly_steps_with_adamw() -> None:
+    run_ranks(2, _complex_adam)

@@ -28,7 +28,8 @@ def reference_casts(loss_fn, param_dtype: torch.dtype, output_dtype: torch.dtype
     def loss(model: nn.Module, batch):  # type: ignore[no-untyped-def]
         if isinstance(model, FSDPModule):
             return loss_fn(model, batch)
-        cast_params = {n: p.to(param_dtype) for n, p in model.named_parameters()}
+        # Complex and integer parameters keep their dtype, as under FSDP2's policy
+        cast_params = {n: p.to(param_dtype) if p.is_floating_point() else p for n, p in model.named_parameters()}
 
         class Cast(nn.Module):
             def forward(self, x):  # type: ignore[no-untyped-def]

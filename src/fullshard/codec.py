@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from fullshard.layout import is_float8
 from fullshard.mesh import MeshInfo
 from fullshard.param import ShardedParam, contiguous_stride, rank_axis_view, slots_to_full, unsharded_view
 from fullshard.policy import MixedPrecisionPolicy
@@ -40,7 +41,8 @@ class QuantizedCommPolicy:
     - Parameters with at least ``min_ndim`` dims (weight matrices, embeddings) are
       all-gathered as int8 in blocks of ``block_size`` elements of the flattened
       shard, each block with its fp32 absmax scale, and dequantized into the compute
-      dtype after the gather. Other parameters (norms, biases) travel as they are.
+      dtype after the gather. Other parameters (norms, biases; complex, integer and
+      one-byte float ones whatever their dims) travel as they are.
     - Gradients are reduce-scattered in ``reduce_dtype`` (bf16 by default) and
       accumulated into fp32 sharded gradients; a ``MixedPrecisionPolicy.reduce_dtype``
       given as well must agree.
@@ -210,6 +212,11 @@ class ExtensionCodec(Codec):
             t.untyped_storage().resize_(0)
 
 
+def quantizable(dtype: torch.dtype) -> bool:
+    """Whether int8 blocks may carry a parameter of ``dtype``: real floats wider than a byte."""
+    return dtype.is_floating_point and not is_float8(dtype)
+
+
 def make_codecs(group: CodecGroup, policy: QuantizedCommPolicy | None, mp_policy: MixedPrecisionPolicy) -> list[Codec] | None:
     """The group's codecs, or None when every parameter travels plain (the flat all-gather)."""
     if policy is None and not group.mixed and not any(p.extension is not None for p in group.params):
@@ -226,7 +233,7 @@ def make_codecs(group: CodecGroup, policy: QuantizedCommPolicy | None, mp_policy
                     f"parameter {p.fqn!r}: all-gather extensions are supported on dim-0 sharding without tensor parallel"
                 )
             codecs.append(ExtensionCodec(p, group, shard_mesh, p.sites[0].module, mp_policy))
-        elif policy is not None and len(p.shape) >= policy.min_ndim:
+        elif policy is not None and len(p.shape) >= policy.min_ndim and quantizable(p.orig_dtype):
             codecs.append(Int8BlockCodec(p, group, policy.block_size))
         else:
             codecs.append(Codec(p, group))

@@ -185,9 +185,11 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
 
 
 def _norms(grads: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
-    """fp32 norms of ``grads``: fp32 and narrower ones accumulated in fp32, float64 ones in float64."""
-    narrow = [g for g in grads if g.dtype != torch.float64]
-    wide = [g for g in grads if g.dtype == torch.float64]
+    """fp32 norms of ``grads``: fp32 and narrower ones accumulated in fp32, float64 and complex ones in their own
+    precision (a complex tensor's norm is real: that of its elements' magnitudes)."""
+    own = [g.dtype == torch.float64 or g.is_complex() for g in grads]
+    narrow = [g for g, keep in zip(grads, own) if not keep]
+    wide = [g for g, keep in zip(grads, own) if keep]
     norms = list(torch._foreach_norm(narrow, norm_type, dtype=torch.float32)) if narrow else []
     return norms + [n.float() for n in torch._foreach_norm(wide, norm_type)] if wide else norms
 

@@ -118,8 +118,7 @@ class ParamGroup:
         if self.mixed:
             orig_dtype = promoted_dtype([p.orig_dtype for p in params])
         self._policy_dtypes = (compute_dtype, reduce_dtype)
-        self.compute_dtype = compute_dtype or orig_dtype
-        self.reduce_dtype = reduce_dtype or self.compute_dtype
+        self._set_dtypes(orig_dtype)
         self._pending_all_gather: PendingCollective | None = None
         self._pending_layout = self.layout  # the layout the in-flight all-gather's output has
         self.post_forward: PostForwardShard | None = None
@@ -178,9 +177,27 @@ class ParamGroup:
     # once in the promoted dtype of its parameters (or the policy's reduce_dtype); every
     # sharded gradient is cast to its parameter's dtype.
 
+    # [Note: Complex and integer parameters]
+    # A policy's param_dtype casts floating-point parameters only, as FSDP2's: complex and
+    # integer ones compute in their own dtype (a cast would drop the imaginary parts, or
+    # turn indices into floats). Complex gradients reduce in a complex dtype whatever the
+    # reduce_dtype (FSDP2 casts them to it and drops their imaginary parts): the group's
+    # reduce dtype is promoted with its complex parameters' dtypes, and a real parameter's
+    # gradient is the real part of its reduced chunk.
+
+    def _set_dtypes(self, orig_dtype: torch.dtype) -> None:
+        """The group's compute and reduce dtypes, from the policy's and ``orig_dtype`` (the promoted one if mixed)."""
+        policy_compute, policy_reduce = self._policy_dtypes
+        casts = self.mixed or orig_dtype.is_floating_point  # (a mixed group casts per parameter)
+        self.compute_dtype = policy_compute if policy_compute is not None and casts else orig_dtype
+        complex_dtypes = [p.orig_dtype for p in self.params if p.orig_dtype.is_complex]
+        self.reduce_dtype = promoted_dtype([policy_reduce or self.compute_dtype, *complex_dtypes])
+
     def param_compute_dtype(self, p: ShardedParam) -> torch.dtype:
         """The dtype ``p`` is all-gathered and computed in."""
-        return p.orig_dtype if self.mixed and self._policy_dtypes[0] is None else self.compute_dtype
+        if not p.orig_dtype.is_floating_point or (self.mixed and self._policy_dtypes[0] is None):
+            return p.orig_dtype
+        return self.compute_dtype
 
     def _byte_layout(self, numels: tuple[int, ...], dtypes: list[torch.dtype]) -> tuple[list[int], int]:
         offsets, total = [], 0
@@ -232,8 +249,8 @@ class ParamGroup:
         return [buffer.narrow(0, off, n * dtype.itemsize).view(dtype) for off, n, dtype in zip(offsets, numels, dtypes)]
 
     def _bind_unsharded_buffer(self) -> None:
-        if self.mixed and self._policy_dtypes[0] is None:
-            dtypes = [self.param_compute_dtype(p) for p in self.params]
+        dtypes = [self.param_compute_dtype(p) for p in self.params]
+        if self.mixed and len(set(dtypes)) > 1:
             _, total = self._byte_layout(tuple(p.unsharded_numel for p in self.layout.params), dtypes)
             self.unsharded_buffer = torch.empty(total, dtype=torch.uint8, device=self.device)
         else:
@@ -463,9 +480,7 @@ class ParamGroup:
             p.state_dict_view = None  # it holds the old flat buffer alive
         self.flat_shard = flat
         self.shard_device = device if device.type != "meta" else self.shard_device
-        policy_compute, policy_reduce = self._policy_dtypes
-        self.compute_dtype = policy_compute or dtype
-        self.reduce_dtype = policy_reduce or self.compute_dtype
+        self._set_dtypes(dtype)
         unreduced = [p.unsharded.grad for p in self.params]  # accumulated without gradient sync
         self._bind_unsharded_buffer()
         for p, grad in zip(self.params, unreduced):

@@ -59,9 +59,7 @@ class _LocalAdamStep:
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> Any:
-        if any(_torch_steps(g) for g in self.param_groups) or any(
-            torch.is_complex(p) for g in self.param_groups for p in g["params"]
-        ):
+        if any(_torch_steps(g) for g in self.param_groups):
             return super().step(closure)  # type: ignore[misc]
         loss = None
         if closure is not None:
@@ -280,6 +278,7 @@ def _adam_update(group: dict[str, Any], params: list[torch.Tensor], grads: list[
         decoupled_weight_decay=group.get("decoupled_weight_decay", False),
         amsgrad=group["amsgrad"], beta1=beta1, beta2=beta2, lr=group["lr"],
         weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
+        has_complex=any(p.is_complex() for p in params),  # (steps their real views: local tensors, not DTensors)
     )
 
 

@@ -203,6 +203,8 @@ class ReduceGroup(Protocol):
     @property
     def reduce_dtype(self) -> torch.dtype: ...
 
+    def param_compute_dtype(self, p: ShardedParam) -> torch.dtype: ...
+
     @property
     def mixed(self) -> bool: ...
 
@@ -287,7 +289,7 @@ class GradReducer:
         for p in group.params:
             grad = p.unsharded_grad() if p.requires_grad else None
             if grad is None and p.requires_grad and settings.reduce_unused_params and p.accumulated_grad is None:
-                grad = torch.zeros(p.layout.shape, dtype=group.compute_dtype, device=group.device)
+                grad = torch.zeros(p.layout.shape, dtype=group.param_compute_dtype(p), device=group.device)
             if p.accumulated_grad is not None:
                 if grad is not None:
                     p.accumulated_grad.add_(grad)
@@ -468,7 +470,8 @@ class GradReducer:
         delivered = pending.params
         if pending.missing and not settings.reduce_unused_params:
             # Zeros this rank packed: a gradient only where some rank had one (flags summed, see the Note).
-            counts = group.split(reduced, pending.layout)[-1].tolist()
+            flags = group.split(reduced, pending.layout)[-1]
+            counts = (flags.real if flags.is_complex() else flags).tolist()
             delivered = [p for i, p in enumerate(pending.params) if i not in pending.missing or counts[i] > 0]
         chunks = dict(zip(pending.params, group.split(flat_grad, pending.layout)))
         # Fresh gradients laid out as the flat shard are marked with their flat buffer ([Note: Flat optimizer steps]).
@@ -478,8 +481,10 @@ class GradReducer:
             whole = FlatGrad(flat_grad.narrow(0, 0, group.layout.shard_numel), group.weak_self)
         for p in delivered:
             chunk = chunks[p]
-            if chunk.dtype != p.orig_dtype:
-                chunk = chunk.to(p.orig_dtype)
+            if chunk.is_complex() and not p.orig_dtype.is_complex:
+                chunk = chunk.real  # ([Note: Complex and integer parameters] in group.py)
+            if chunk.dtype != p.orig_dtype or not chunk.is_contiguous():
+                chunk = chunk.to(p.orig_dtype, memory_format=torch.contiguous_format)
             grad = p.sharded.grad
             if grad is None:
                 p.sharded.grad = fresh = p.as_dtensor(chunk)
