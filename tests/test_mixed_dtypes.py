@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+from unittest import mock
+
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from fullshard import MixedPrecisionPolicy, clip_grad_norm_, fully_shard
@@ -242,7 +246,18 @@ def _complex(rank: int, world_size: int, reduce_dtype: torch.dtype | None, accum
 
     loss_fn = reference_casts(mse_loss, f64, None)
     if not accumulate:
-        _, model = run_parity(rank, world_size, ComplexNet, shard, regression_batch, loss_fn, steps=3)
+        seen: set[torch.dtype] = set()
+        name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+        collective = getattr(dist, name)
+
+        def recording(output: torch.Tensor, inp: torch.Tensor, **kwargs: Any) -> Any:
+            seen.update((output.dtype, inp.dtype))
+            return collective(output, inp, **kwargs)
+
+        with mock.patch.object(dist, name, recording):
+            _, model = run_parity(rank, world_size, ComplexNet, shard, regression_batch, loss_fn, steps=3)
+        # The complex gradients reach the reduce-scatter as real pairs (NCCL has no complex type)
+        assert seen and not any(d.is_complex for d in seen), seen
     else:  # two micro-batches, the first without gradient sync
         torch.manual_seed(0)
         ref, model = ComplexNet(), ComplexNet()

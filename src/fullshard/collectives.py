@@ -193,8 +193,11 @@ def all_gather_single(*args: Any, **kwargs: Any) -> dist.Work | None:
     return getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(*args, **kwargs)
 
 
-def reduce_scatter_single(*args: Any, **kwargs: Any) -> dist.Work | None:
-    return getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(*args, **kwargs)
+def reduce_scatter_single(output: torch.Tensor, inp: torch.Tensor, **kwargs: Any) -> dist.Work | None:
+    # Complex buffers as their real pairs: torch converts them for the other collectives, not for this one
+    # (NCCL has no complex type); a sum of complex numbers is the sum of their parts.
+    output, inp = (torch.view_as_real(t).view(-1) if t.is_complex() else t for t in (output, inp))
+    return getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(output, inp, **kwargs)
 
 
 def all_gather(
