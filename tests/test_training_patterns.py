@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from fullshard import CPUOffloadPolicy, FSDPModule, fully_shard
+from fullshard import CPUOffloadPolicy, FSDPModule, fully_shard, summon_full_params
 from tests.harness import run_ranks
 from tests.models import MLP, Transformer, lm_loss, mse_loss
 from tests.parity import random_batches, regression_batch, run_parity, token_batch, train
@@ -413,6 +413,40 @@ def _registered_after_fully_shard(rank: int, world_size: int) -> None:
 
 def test_parameter_registered_after_fully_shard_warns() -> None:
     run_ranks(2, _registered_after_fully_shard)
+
+
+def _changed_in_place(rank: int, world_size: int, reshard_after_forward: bool) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4, max_norm=0.5), nn.Linear(4, 3))
+    fully_shard(model[0], reshard_after_forward=reshard_after_forward)
+    fully_shard(model)
+    before = model[0].weight.full_tensor()
+    tokens = torch.tensor([[rank, 2 * rank + 3]])
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        model(tokens).sum().backward()  # the lookup renormalises rows in place
+        model(tokens).sum().backward()  # once per group
+    changed = [str(w.message) for w in seen if "changed in place" in str(w.message)]
+    assert len(changed) == 1 and changed[0].startswith("fully_shard: 0.weight changed in place while unsharded"), changed
+    assert torch.equal(model[0].weight.full_tensor(), before)  # dropped, as in FSDP2
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        model.unshard()
+        with torch.no_grad():
+            model[1].weight.mul_(2)
+        model.reshard()
+        bias = model[1].bias.full_tensor()
+        with summon_full_params(model, writeback=True), torch.no_grad():
+            model[1].bias.add_(1)  # written back: nothing to warn about
+    assert [str(w.message).split(" changed")[0] for w in seen] == ["fully_shard: 1.weight"]
+    assert torch.equal(model[1].bias.full_tensor(), bias + 1)
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_parameter_changed_in_place_while_unsharded_warns(reshard_after_forward: bool) -> None:
+    """nn.Embedding(max_norm=...) changes its weight in forward: resharding drops that, as FSDP2 does, and says so;
+    so does a change between unshard() and reshard(); summon_full_params(writeback=True) keeps its changes."""
+    run_ranks(2, _changed_in_place, reshard_after_forward)
 
 
 # ---- parameters used without calling their module ----------------------------------------------

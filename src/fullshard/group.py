@@ -145,6 +145,10 @@ class ParamGroup:
         # Whether the copies of the replicated (0-dim) parameters were made equal since the flat shard buffer
         # was filled or written from outside (see sync_replicas).
         self.replicas_synced = False
+        # Each unsharded parameter's version when its values were last gathered ([Note: Changes to unsharded
+        # parameters]); the groups already warned about.
+        self._gathered_versions: list[int] = []
+        self._warned_changed = False
 
         # Parameters on the meta device (deferred initialisation) get a meta flat shard
         # buffer; `FSDPModule.to_empty()` / `_apply` re-link them to real memory.
@@ -255,12 +259,11 @@ class ParamGroup:
             self.unsharded_buffer = torch.empty(total, dtype=torch.uint8, device=self.device)
         else:
             self.unsharded_buffer = torch.empty(self.layout.unsharded_numel, dtype=self.compute_dtype, device=self.device)
-        # The unsharded parameters view a `.data` alias: it shares the storage but
-        # not the version counter, so refilling the buffer in backward does not
-        # look like an in-place change of tensors autograd saved in forward.
-        alias = self.unsharded_buffer.data
-        for p, region in zip(self.params, self._unsharded_regions(alias)):
-            p.bind_unsharded(region)
+        # Each unsharded parameter views a `.data` alias of its region: it shares the storage but not the
+        # version counter, so refilling the buffer in backward does not look like an in-place change of
+        # tensors autograd saved in forward, and a change made through one parameter bumps its counter only.
+        for p, region in zip(self.params, self._unsharded_regions(self.unsharded_buffer)):
+            p.bind_unsharded(region.data)
         # Views for the copy-out, made once: they stay valid across storage resizes.
         self._regions = self._unsharded_regions(self.unsharded_buffer)
         world_size = self.layout.world_size
@@ -632,7 +635,30 @@ class ParamGroup:
         keep = self.keep_assigned
         for p in self.params:
             p.register_unsharded(keep)
+        self._gathered_versions = [p.unsharded._version for p in self.params]
         self.state = ShardedState.UNSHARDED
+
+    # [Note: Changes to unsharded parameters]
+    # Resharding frees the unsharded parameters: what the forward (or code between `unshard()` and
+    # `reshard()`) changed in them in place is gone, and the sharded parameters, which train, never had it
+    # (as in FSDP2; `nn.Embedding(max_norm=...)` renormalises the rows it looks up in place, for one).
+    # Writing each rank's rows back would not give the unsharded model's values either: each rank changed
+    # its copy for its own batch only. So the change is named once per group, at the reshard that drops it,
+    # by the parameters' version counters (one read per parameter per all-gather and reshard).
+    # `summon_full_params` writes back (or drops, by request) what was changed inside it.
+
+    def _check_unchanged(self) -> None:
+        if self.summoned or self._warned_changed or self.state is not ShardedState.UNSHARDED:
+            return
+        changed = [p.fqn for p, version in zip(self.params, self._gathered_versions) if p.unsharded._version != version]
+        if changed:
+            self._warned_changed = True
+            warnings.warn(
+                f"fully_shard: {', '.join(changed)} changed in place while unsharded (in forward, or between "
+                "unshard() and reshard()); resharding drops the change and the sharded parameters train without "
+                "it, as in FSDP2 (nn.Embedding(max_norm=...) renormalises its weight in forward, for one); change "
+                "the sharded parameters outside forward, or inside summon_full_params(writeback=True)",
+            )
 
     def reshard(self) -> None:
         """Back to SHARDED: register the sharded parameters and free the unsharded buffer."""
@@ -640,6 +666,7 @@ class ParamGroup:
             return
         if self.state is ShardedState.UNSHARDING:
             self.wait_for_unshard()  # a collective in flight cannot be abandoned
+        self._check_unchanged()
         self._register_sharded()
         self._free_unsharded()
         if self.post_forward is not None:
@@ -653,6 +680,7 @@ class ParamGroup:
         if pf is None or self.state is not ShardedState.UNSHARDED:
             self.reshard()
             return
+        self._check_unchanged()
         storage = pf.buffer.untyped_storage()
         storage.resize_(pf.buffer.numel() * pf.buffer.element_size())
         regions = self.split(self.unsharded_buffer, self.layout, unsharded=True)
