@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -9,7 +11,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, distribute_tensor
 
-from fullshard import AlreadyShardedError, MixedPrecisionPolicy, fully_shard
+from fullshard import AlreadyShardedError, CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from fullshard.api import check_param_device
 from tests.harness import run_ranks
 from tests.models import MLP, mse_loss
@@ -92,6 +94,25 @@ def _optimizer_before_fully_shard(rank: int, world_size: int) -> None:
     assert not torch.equal(before, kept)
 
 
+def _optimizer_from_unsharded_parameters(rank: int, world_size: int) -> None:
+    """model.parameters() after a forward without backward lists the groups still unsharded (as in FSDP2): an
+    optimizer built from them would step nothing, so its step names them; one built after a backward trains."""
+    model = MLP()
+    for layer in model.layers[:2]:
+        fully_shard(layer, reshard_after_forward=False)
+    fully_shard(model)
+    batch = regression_batch(torch.Generator().manual_seed(rank))
+    mse_loss(model, batch)  # a forward without backward: layers 0 and 1 and the root stay unsharded
+    late = torch.optim.AdamW(model.parameters())
+    mse_loss(model, batch).backward()
+    with pytest.raises(ValueError, match=r"holds the unsharded parameter 'layers.0.weight', which model.parameters\(\) "
+                                         r"lists while its group is unsharded .* Build the optimizer from the sharded"):
+        late.step()
+    before = [p.full_tensor() for p in model.parameters()]
+    torch.optim.AdamW(model.parameters()).step()  # built after the backward: every group is sharded again
+    assert all(not torch.equal(a, p.full_tensor()) for a, p in zip(before, model.parameters()))
+
+
 def _sparse_gradient(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(11, 6, sparse=True), nn.Linear(6, 1))
@@ -113,7 +134,8 @@ def _sparse_gradient(rank: int, world_size: int) -> None:
         torch.testing.assert_close(p.grad.full_tensor(), expected.grad)
 
 
-@pytest.mark.parametrize("body", [_twice, _bad_arguments, _optimizer_before_fully_shard, _sparse_gradient])
+@pytest.mark.parametrize("body", [_twice, _bad_arguments, _optimizer_before_fully_shard,
+                                  _optimizer_from_unsharded_parameters, _sparse_gradient])
 def test_misuse_is_rejected(body) -> None:  # type: ignore[no-untyped-def]
     run_ranks(2, body)
 
@@ -169,14 +191,25 @@ def shard_layers(model: nn.Module) -> None:
     fully_shard(model)
 
 
-def _recovers(rank: int, world_size: int, where: str) -> None:
+def _recovers(rank: int, world_size: int, where: str, setup: str) -> None:
     torch.manual_seed(0)
     ref = TrippedMLP()
     torch.manual_seed(0)
     model = TrippedMLP()
-    shard_layers(model)
+    kwargs: dict[str, Any] = {}
+    if setup == "offload":
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
+    elif setup == "hsdp":
+        kwargs["mesh"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    for layer in model.layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
     batches = random_batches(4, world_size, regression_batch)
     assert_parity(train(ref, batches[:2], mse_loss, rank=None), train(model, batches[:2], mse_loss, rank=rank), rank)
+    if setup == "no_sync":  # a micro-batch whose gradients the failure then drops
+        model.set_requires_gradient_sync(False)
+        mse_loss(model, batches[1][rank]).backward()
+        model.set_requires_gradient_sync(True)
     try:
         Tripwire.armed, TrippedMLP.fail_forward = where == "backward", where == "forward"
         with pytest.raises(RuntimeError, match=f"tripwire in {where}"):
@@ -188,6 +221,7 @@ def _recovers(rank: int, world_size: int, where: str) -> None:
     assert_parity(train(ref, batches[2:], mse_loss, rank=None), train(model, batches[2:], mse_loss, rank=rank), rank)
 
 
+@pytest.mark.parametrize("setup", ["plain", "offload", "no_sync", "hsdp"])
 @pytest.mark.parametrize("where", ["forward", "backward"])
-def test_usable_after_failure(where: str) -> None:
-    run_ranks(2, _recovers, where)
+def test_usable_after_failure(where: str, setup: str) -> None:
+    run_ranks(4 if setup == "hsdp" else 2, _recovers, where, setup)

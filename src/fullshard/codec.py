@@ -205,7 +205,7 @@ class ExtensionCodec(Codec):
         self.inner = tuple(inner)
         if tuple(result.shape) != p.shape:  # padded rows at the end: cut, as FSDP2 does
             result = torch.as_strided(result, p.shape, contiguous_stride(p.shape), 0)
-        p.unsharded = nn.Parameter(result, requires_grad=p.requires_grad)
+        p.set_unsharded(nn.Parameter(result, requires_grad=p.requires_grad))
 
     def reshard(self) -> None:
         for t in (*self.outputs, *self.inner):

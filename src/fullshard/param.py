@@ -293,34 +293,48 @@ def inner_tensor(value: torch.Tensor) -> torch.Tensor:
     return cast(torch.Tensor, getattr(value, names[0]))
 
 
-# Original parameters sharded so far in this process, by id. Entries are weak both
-# ways: the original's memory is freed once the modules drop it, an id reused by a
-# later tensor does not match the dead reference, and a claim made by a group that
-# no longer exists (a fully_shard call that failed) does not count.
-_claims: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[ShardedParam]]] = {}
+# Tensors mapped to the sharded parameter they belong to, by id: the originals sharded so far in this
+# process (`_claims`) and the unsharded parameters of live groups (`_unsharded_owners`). Entries are weak
+# both ways: a tensor's memory is freed once the modules drop it, an id reused by a later tensor does not
+# match the dead reference, and an entry made by a group that no longer exists (a fully_shard call that
+# failed) does not count.
+_WeakTable = dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref["ShardedParam"]]]
+_claims: _WeakTable = {}
+_unsharded_owners: _WeakTable = {}
+
+
+def _owner_in(table: _WeakTable, tensor: torch.Tensor) -> ShardedParam | None:
+    entry = table.get(id(tensor))
+    return entry[1]() if entry is not None and entry[0]() is tensor else None
+
+
+def _remember(table: _WeakTable, tensor: torch.Tensor, owner: ShardedParam) -> None:
+    key = id(tensor)
+
+    def forget(_: object) -> None:
+        if table.get(key) is entry:
+            del table[key]
+
+    entry = (weakref.ref(tensor, forget), weakref.ref(owner))
+    table[key] = entry
 
 
 def _claim_original(original: torch.Tensor, claimant: ShardedParam) -> ShardedParam | None:
     """Record that ``claimant`` shards ``original``; return the live earlier claimant, if any."""
-    key = id(original)
-    earlier = None
-    entry = _claims.get(key)
-    if entry is not None and entry[0]() is original:
-        earlier = entry[1]()
+    earlier = _owner_in(_claims, original)
     if earlier is None:
-        def forget(_: object, key: int = key) -> None:
-            if _claims.get(key) is entry_now:
-                del _claims[key]
-
-        entry_now = (weakref.ref(original, forget), weakref.ref(claimant))
-        _claims[key] = entry_now
+        _remember(_claims, original, claimant)
     return earlier
 
 
 def claimant_of(original: torch.Tensor) -> ShardedParam | None:
     """The live sharded parameter that shards ``original``, if any."""
-    entry = _claims.get(id(original))
-    return entry[1]() if entry is not None and entry[0]() is original else None
+    return _owner_in(_claims, original)
+
+
+def unsharded_owner(param: torch.Tensor) -> ShardedParam | None:
+    """The live sharded parameter whose unsharded parameter ``param`` is, if any."""
+    return _owner_in(_unsharded_owners, param)
 
 
 class _Registrations:
@@ -478,7 +492,11 @@ class ShardedParam:
         """``padded_full``: this parameter's slice of the unsharded buffer."""
         full = unsharded_view(padded_full, self.layout)
         value = full if self.tp is None else self.tp.unsharded(full)
-        self.unsharded = nn.Parameter(value, requires_grad=self.requires_grad)
+        self.set_unsharded(nn.Parameter(value, requires_grad=self.requires_grad))
+
+    def set_unsharded(self, param: nn.Parameter) -> None:
+        self.unsharded = param
+        _remember(_unsharded_owners, param, self)
 
     def unsharded_grad(self) -> torch.Tensor | None:
         """The unsharded parameter's gradient as a plain tensor (a tensor-parallel one's local piece)."""

@@ -9,6 +9,12 @@ nothing says so. A global optimizer step pre-hook, registered at the first
 a trainable original that a live sharded parameter replaced and that has no
 gradient, naming it. An original with a gradient is left alone: something still
 uses it (a module outside ``fully_shard``'s reach tied to it).
+
+The same holds for an optimizer built from the unsharded parameters: between a
+forward and its backward (and after a forward without backward while a group stays
+unsharded: the root, or ``reshard_after_forward=False``) ``model.parameters()`` lists
+them, as in FSDP2. Their gradients go to the sharded parameters, so an optimizer
+holding them steps nothing, silently on FSDP2; the hook names them too.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from fullshard.param import claimant_of
+from fullshard.param import claimant_of, unsharded_owner
 
 __all__ = ["refuse_replaced"]
 
@@ -37,4 +43,13 @@ def refuse_replaced(opt: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: d
                     f"fullshard: {type(opt).__name__} holds the original parameter {sharded.fqn!r}, which "
                     "fully_shard replaced with a sharded one: the model no longer uses it, so this step would "
                     "train nothing. Build the optimizer after fully_shard, from model.parameters()."
+                )
+            owner = unsharded_owner(p)
+            if owner is not None:
+                raise ValueError(
+                    f"fullshard: {type(opt).__name__} holds the unsharded parameter {owner.fqn!r}, which "
+                    "model.parameters() lists while its group is unsharded (after a forward, before its "
+                    "backward); its gradient goes to the sharded parameter, so this step would not train it. "
+                    "Build the optimizer from the sharded parameters: before the first forward, or after a "
+                    "backward."
                 )
