@@ -11,13 +11,15 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed._composable.fsdp as composable_fsdp
 import torch.distributed.fsdp as torch_fsdp
 
 import fullshard
+from fullshard.policy import validate_mp_policy, validate_offload_policy
 from fullshard.swap import NAMES
 
-TORCH_FULLY_SHARD = torch_fsdp.fully_shard
+TORCH_FULLY_SHARD, TORCH_FSDP_MODULE = torch_fsdp.fully_shard, torch_fsdp.FSDPModule
 # Other test modules hold torch's names (they compare against torch's FSDP2): the warning names them.
 EARLY_IMPORTERS = "ignore:these modules imported torch's FSDP2 names"
 
@@ -62,6 +64,30 @@ def test_names_point_at_fullshard_and_back() -> None:
         again.restore()
     assert torch_fsdp.fully_shard is TORCH_FULLY_SHARD
     assert composable_fsdp.fully_shard is TORCH_FULLY_SHARD
+
+
+@pytest.mark.filterwarnings(EARLY_IMPORTERS)
+def test_torch_policies_stay_accepted_while_swapped() -> None:
+    # Made with torch's classes (before the swap, or by code holding them): still converted while torch's names
+    # point at fullshard's classes.
+    mixed = torch_fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    offload, none = torch_fsdp.CPUOffloadPolicy(pin_memory=False), torch_fsdp.OffloadPolicy()
+    with fullshard.use_as_fsdp2(announce=False):
+        assert torch_fsdp.MixedPrecisionPolicy is fullshard.MixedPrecisionPolicy
+        assert validate_mp_policy(mixed) == fullshard.MixedPrecisionPolicy(torch.bfloat16, torch.float32)
+        assert validate_offload_policy(offload) == fullshard.CPUOffloadPolicy(pin_memory=False)
+        assert type(validate_offload_policy(none)) is fullshard.OffloadPolicy
+
+
+@pytest.mark.filterwarnings(EARLY_IMPORTERS)
+def test_pipelining_imported_first_is_swapped_too() -> None:
+    from torch.distributed.pipelining import schedules, stage
+
+    assert stage.FSDPModule is TORCH_FSDP_MODULE
+    with fullshard.use_as_fsdp2(announce=False):
+        assert stage.FSDPModule is fullshard.FSDPModule and stage.fully_shard is fullshard.fully_shard
+        assert schedules.FSDPModule is fullshard.FSDPModule
+    assert stage.FSDPModule is TORCH_FSDP_MODULE and schedules.FSDPModule is TORCH_FSDP_MODULE
 
 
 def test_modules_that_imported_torchs_names_first_are_named() -> None:

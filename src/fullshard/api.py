@@ -17,7 +17,7 @@ from torch.distributed.fsdp import UnshardHandle as _TorchUnshardHandle
 from torch.distributed.tensor import DTensor, Shard
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from fullshard import local_step, replaced
+from fullshard import fsdp2_state, local_step, replaced
 from fullshard.codec import QuantizedCommPolicy, make_codecs, validate_comm_policy
 from fullshard.collectives import CommStreams, ProcessGroupAllGather, ProcessGroupReduceScatter
 from fullshard.errors import (
@@ -119,6 +119,9 @@ def fully_shard(
         shard_placement_fn=shard_placement_fn, mp_policy=mp_policy, offload_policy=offload_policy,
         ignored_params=ignored_params, comm_policy=comm_policy,
     )
+
+
+fully_shard.state = fsdp2_state.state  # type: ignore[attr-defined]  # torch's pipelining reads it (see there)
 
 
 def shard_modules(

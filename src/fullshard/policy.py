@@ -15,6 +15,10 @@ from torch.distributed import fsdp as torch_fsdp
 
 from fullshard.errors import ArgumentTypeError, DtypeError
 
+# torch's classes, bound before fullshard.use_as_fsdp2() can point torch's names at the classes below.
+_TORCH_MIXED_PRECISION = torch_fsdp.MixedPrecisionPolicy
+_TORCH_OFFLOAD, _TORCH_CPU_OFFLOAD = torch_fsdp.OffloadPolicy, torch_fsdp.CPUOffloadPolicy
+
 
 @dataclass(frozen=True)
 class MixedPrecisionPolicy:
@@ -55,7 +59,7 @@ class CPUOffloadPolicy(OffloadPolicy):
 
 
 def validate_mp_policy(policy: object) -> MixedPrecisionPolicy:
-    if isinstance(policy, torch_fsdp.MixedPrecisionPolicy):
+    if isinstance(policy, _TORCH_MIXED_PRECISION):
         policy = MixedPrecisionPolicy(policy.param_dtype, policy.reduce_dtype, policy.output_dtype,
                                       policy.cast_forward_inputs)
     if not isinstance(policy, MixedPrecisionPolicy):
@@ -68,9 +72,9 @@ def validate_mp_policy(policy: object) -> MixedPrecisionPolicy:
 
 
 def validate_offload_policy(policy: object) -> OffloadPolicy:
-    if isinstance(policy, torch_fsdp.CPUOffloadPolicy):
+    if isinstance(policy, _TORCH_CPU_OFFLOAD):
         policy = CPUOffloadPolicy(policy.pin_memory)
-    elif isinstance(policy, torch_fsdp.OffloadPolicy):
+    elif isinstance(policy, _TORCH_OFFLOAD):
         policy = OffloadPolicy()
     if not isinstance(policy, OffloadPolicy):
         raise ArgumentTypeError(f"offload_policy must be an OffloadPolicy, got {_described(policy)}")

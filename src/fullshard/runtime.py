@@ -145,6 +145,22 @@ def in_backward() -> bool:
 # does in PyTorch.
 
 
+# [Note: Pipeline schedules]
+# torch.distributed.pipelining runs a stage's micro-batches as separate backwards, each
+# after set_requires_gradient_sync(False) and set_reshard_after_backward(False), and when
+# all of them are done it reduces outside any backward: it sets both back to True and
+# calls post_backward() on each of FSDP2's param groups of the stage's root, then the
+# root's final callback (PipelineStage.perform_reduce_grad). fully_shard.state(module)
+# answers those names (fsdp2_state.py): a group's post_backward() is
+# reduce_outside_backward, which reshards the group and reduce-scatters the summed
+# gradients, also on a rank where the group got none (every rank's schedule reduces every
+# group of its stage, so the ranks agree on the collectives); the final callback is
+# settle_reductions. Zero-bubble schedules compute the weight gradients in a second pass
+# from saved graph nodes, mapped to the stage's parameters by their gradient accumulators:
+# that works with reshard_after_forward=False, as in FSDP2 (resharding after forward leaves
+# the sharded parameters registered when the first pass reads them).
+
+
 # [Note: Last backward]
 # Every backward ends with every gradient it reduced assigned, also after
 # set_is_last_backward(False): FSDP2 assigns them too and only lets its compute stream
@@ -276,13 +292,18 @@ class IterationContext:
                 state.training_state = TrainingState.IDLE
                 state.calls_awaiting_backward = 0
             self.graph_kept = keep
-            self.drain_reduces()  # also when not the last backward: see [Note: Last backward]
-            self.streams.host_wait(self.streams.h2d_done)  # the optimizer may write the pinned shards next
-            self.streams.shards_written()
-            self.end_of_backward_queued = False
-            self.monitor.end_backward()
-            if self.registrations_seen != registrations.count:  # a tie made during the step names a parameter
-                _unsharded_to_sharded([g for s in self.states for g in s.groups])  # resharded now
+            self.settle_reductions()
+
+    def settle_reductions(self) -> None:
+        """Assign every gradient reduced so far (the end of a backward, or of a pipeline schedule's step:
+        [Note: Pipeline schedules])."""
+        self.drain_reduces()  # also when not the last backward: see [Note: Last backward]
+        self.streams.host_wait(self.streams.h2d_done)  # the optimizer may write the pinned shards next
+        self.streams.shards_written()
+        self.end_of_backward_queued = False
+        self.monitor.end_backward()
+        if self.registrations_seen != registrations.count:  # a tie made during the step names a parameter
+            _unsharded_to_sharded([g for s in self.states for g in s.groups])  # resharded now
 
     def drain_reduces(self) -> None:
         """Complete every reduction in flight: first let every reduce-scatter finish (CPU: issues the
@@ -723,15 +744,30 @@ class HookState:
             if in_backward_pass:
                 self._prefetch(self._backward_targets(BackwardPrefetchMode.POST), backward=True)
             for group in groups:
-                reducer = group.reducer
-                if reducer.settings.requires_gradient_sync:
-                    self.ctx.make_room_for_reduce(reducer.settings.max_inputs_in_flight)
-                    pending = reducer.reduce(ran_backward=ran_backward)
-                    if pending is not None:
-                        self.ctx.add_reduce(pending)
-                else:
-                    reducer.accumulate_unsharded()
+                self._reduce(group, ran_backward)
         self.training_state = TrainingState.IDLE
+
+    def _reduce(self, group: ParamGroup, ran_backward: bool) -> None:
+        assert self.ctx is not None
+        reducer = group.reducer
+        if reducer.settings.requires_gradient_sync:
+            self.ctx.make_room_for_reduce(reducer.settings.max_inputs_in_flight)
+            pending = reducer.reduce(ran_backward=ran_backward)
+            if pending is not None:
+                self.ctx.add_reduce(pending)
+        else:
+            reducer.accumulate_unsharded()
+
+    def reduce_outside_backward(self, group: ParamGroup) -> None:
+        """Reduce what backwards without gradient sync accumulated in ``group``, with no backward running
+        ([Note: Pipeline schedules]); ``ctx.settle_reductions()`` assigns the result."""
+        if self.ctx is None:
+            return  # never ran: nothing accumulated
+        with profiled("post_backward", self.label):
+            if self.reshard_after_backward:
+                group.reshard()
+            # Every rank's schedule reduces every group of the stage, so all ranks take part, gradient or not.
+            self._reduce(group, ran_backward=True)
 
 
 def tensors_in(tree: Any) -> list[torch.Tensor]:

@@ -48,6 +48,13 @@ MODULES = (
     "torch.distributed._composable.fsdp",
     "torch.distributed._composable.fsdp.fully_shard",
 )
+# torch's own modules that import those names and treat an FSDPModule stage as FSDP2's (its micro-batches
+# without gradient sync, one reduction at the end): swapped too when they were imported first, so the
+# order of imports does not matter ([Note: Pipeline schedules] in runtime.py).
+USERS_IN_TORCH = (
+    "torch.distributed.pipelining.stage",
+    "torch.distributed.pipelining.schedules",
+)
 
 
 class Swap:
@@ -95,6 +102,12 @@ def use_as_fsdp2(*, announce: bool = True) -> Swap:
             originals[id(theirs)] = name
             replaced.append((module, name, theirs))
             setattr(module, name, ours)
+    for user in filter(None, map(sys.modules.get, USERS_IN_TORCH)):
+        for name in NAMES:
+            theirs = getattr(user, name, None)
+            if theirs is not None and id(theirs) in originals:
+                replaced.append((user, name, theirs))
+                setattr(user, name, getattr(fullshard, name))
     swap = Swap(replaced)
     _active.append(swap)
     if replaced:

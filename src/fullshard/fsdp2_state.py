@@ -1,0 +1,69 @@
+"""``fully_shard.state(module)``: FSDP2's state of a sharded module, as far as torch's pipeline schedules read it.
+
+``torch.distributed.pipelining`` treats a stage whose module is an ``FSDPModule`` as FSDP2's: after the
+micro-batches' backwards it reduces through ``fully_shard.state(stage_module)``, reading
+``_state_ctx.all_states``, each state's ``_fsdp_param_groups`` (calling ``post_backward()`` on each) and the
+root's ``_root_post_backward_final_callback()``. These views answer those names from fullshard's runtime
+([Note: Pipeline schedules] in runtime.py); nothing else of FSDP2's internals is emulated.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from fullshard.group import ParamGroup
+from fullshard.runtime import HookState, state_of
+
+
+class ParamGroupView:
+    """One of a state's groups, as FSDP2's ``FSDPParamGroup``."""
+
+    def __init__(self, state: HookState, group: ParamGroup) -> None:
+        self._state, self._group = state, group
+
+    def post_backward(self) -> None:
+        self._state.reduce_outside_backward(self._group)
+
+
+class StateContextView:
+    """What every state under one root shares, as FSDP2's ``FSDPStateContext``."""
+
+    def __init__(self, state: HookState) -> None:
+        self._state = state
+
+    @property
+    def all_states(self) -> list[StateView]:
+        ctx = self._state.ctx
+        return [StateView(s) for s in ctx.states] if ctx is not None else []
+
+
+class StateView:
+    """A ``fully_shard`` call's state, as FSDP2's ``FSDPState``."""
+
+    def __init__(self, state: HookState) -> None:
+        self._state = state
+
+    @property
+    def _state_ctx(self) -> StateContextView:
+        return StateContextView(self._state)
+
+    @property
+    def _fsdp_param_groups(self) -> list[ParamGroupView]:
+        return [ParamGroupView(self._state, group) for group in self._state.groups]
+
+    @property
+    def _fsdp_param_group(self) -> ParamGroupView | None:
+        groups = self._fsdp_param_groups
+        return groups[0] if groups else None
+
+    def _root_post_backward_final_callback(self) -> None:
+        ctx = self._state.ctx
+        if ctx is not None:
+            ctx.settle_reductions()
+
+
+def state(module: nn.Module) -> StateView | None:
+    """The view of ``module``'s ``fully_shard`` state; ``None`` if ``fully_shard`` was not applied to it
+    (as FSDP2's ``fully_shard.state``)."""
+    found = state_of(module)
+    return StateView(found) if found is not None else None
