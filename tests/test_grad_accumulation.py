@@ -173,3 +173,49 @@ def _first_gradient_in_a_later_micro_batch(rank: int, world_size: int) -> None:
 
 def test_first_gradient_in_a_later_micro_batch_with_fp32_reduction() -> None:
     run_ranks(2, _first_gradient_in_a_later_micro_batch)
+
+
+class _Branch(nn.Module):
+    """``branch`` (sharded on its own) runs only when asked: the same decision on every rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.branch, self.last = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, use_branch: bool) -> torch.Tensor:
+        h = self.first(x)
+        return self.last(self.branch(h) if use_branch else h)
+
+
+def _branch_only_without_sync(rank: int, world_size: int, mixed: bool) -> None:
+    """A group whose modules ran only in the micro-batch without sync is reduced at the end of the synced one
+    (its gradients were left unreduced: the step trained it with none, and a later synced backward through it
+    would have added this step's into another's)."""
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else None
+    torch.manual_seed(0)
+    ref = _Branch()
+    torch.manual_seed(0)
+    model = _Branch()
+    for module in (model.first, model.branch, model.last, model):
+        fully_shard(module, **({"mp_policy": policy} if policy else {}))
+    gen = torch.Generator().manual_seed(1)
+    tol = {"rtol": 2e-2, "atol": 2e-2} if mixed else {}
+    for step, branch_in in enumerate((0, 0, 1)):  # the micro-batch that runs the branch
+        micro = [[torch.randn(2, 4, generator=gen) for _ in range(2)] for _ in range(world_size)]
+        for i, x in enumerate(micro[rank]):
+            model.set_requires_gradient_sync(i == 1)
+            model(x, use_branch=i == branch_in).float().square().mean().backward()
+        ref.zero_grad()
+        for rank_micro in micro:
+            for i, x in enumerate(rank_micro):
+                (ref(x, use_branch=i == branch_in).square().mean() / world_size).backward()
+        expected = {name: p.grad for name, p in ref.named_parameters()}
+        for name, p in model.named_parameters():
+            assert p.grad is not None, f"step {step}: {name} has no gradient"
+            torch.testing.assert_close(p.grad.full_tensor(), expected[name], msg=f"step {step}: {name}", **tol)
+        model.zero_grad()
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_group_run_only_without_sync_is_reduced(mixed: bool) -> None:
+    run_ranks(2, _branch_only_without_sync, mixed)

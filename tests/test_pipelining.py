@@ -19,7 +19,6 @@ import torch.distributed as dist
 import torch.distributed.fsdp as torch_fsdp
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -27,6 +26,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
     ScheduleZBVZeroBubble,
 )
+from torch.distributed.tensor import DTensor
 
 import fullshard
 from tests.harness import run_ranks

@@ -231,6 +231,9 @@ class GradReducer:
         self._partial_sums: dict[ShardedParam, torch.Tensor] = {}  # HSDP: reduce-scattered, not yet all-reduced
         self._partial_flags: dict[ShardedParam, torch.Tensor] = {}  # their flag counts (one element each)
         self._replicated_index: dict[tuple[int, ...], torch.Tensor] = {}  # see _share_replicated
+        # A backward without gradient sync ran through the group since its last reduction: the next synced
+        # backward reduces the group, also if its modules do not run in that one (see `reduction_due`).
+        self._unreduced_backward = False
         shard_group = group.mesh_info.shard_group
         self._nccl = shard_group is not None and dist.get_backend(shard_group) == "nccl"
 
@@ -239,6 +242,7 @@ class GradReducer:
         and the partial sums of the parameters still in it."""
         new = GradReducer(self.group)
         new.settings = self.settings
+        new._unreduced_backward = self._unreduced_backward
         params = set(self.group.params)
         new._partial_sums = {p: t for p, t in self._partial_sums.items() if p in params}
         new._partial_flags = {p: t for p, t in self._partial_flags.items() if p in params}
@@ -257,9 +261,13 @@ class GradReducer:
         self._partial_flags.pop(p, None)
 
     @property
-    def has_partial_sums_due(self) -> bool:
-        """HSDP partial sums kept earlier that the next backward must all-reduce."""
-        return bool(self._partial_sums) and self.settings.all_reduces
+    def reduction_due(self) -> bool:
+        """The end of a synced backward must reduce this group although its modules did not run in it: gradients
+        accumulated without sync in an earlier backward (conditional compute across micro-batches, decided alike
+        on every rank as every all-gather needs), or HSDP partial sums kept earlier that must be all-reduced."""
+        settings = self.settings
+        return settings.requires_gradient_sync and self._unreduced_backward or (
+            bool(self._partial_sums) and settings.all_reduces)
 
     # ---- no-sync accumulation ------------------------------------------------
 
@@ -271,6 +279,7 @@ class GradReducer:
         reduce-dtype accumulator, so the sum does not lose precision.
         """
         group = self.group
+        self._unreduced_backward = True
         if group.reduce_dtype == group.compute_dtype:
             return
         for p in group.params:
@@ -323,11 +332,13 @@ class GradReducer:
     def reduce(self, ran_backward: bool = False) -> PendingReduce | None:
         """Pack every unsharded gradient present into one reduce-scatter input, drop them and issue the reduction.
 
-        ``ran_backward``: the group's modules ran backward on this rank, so its peers reduce now too,
-        even if none of its parameters got a gradient here (a layer used on other ranks only): this
-        rank then sends zeros, flagged as absent.
+        ``ran_backward``: the group's modules ran backward on this rank (in this backward, or in one
+        without sync since the last reduction), so its peers reduce now too, even if none of its
+        parameters got a gradient here (a layer used on other ranks only): this rank then sends zeros,
+        flagged as absent.
         """
         group, settings, streams = self.group, self.settings, self.group.streams
+        ran_backward, self._unreduced_backward = ran_backward or self._unreduced_backward, False
         taken = self._take_unsharded_grads()
         with_grad = tuple(g is not None for g in taken)
         # Partial sums this reduction must all-reduce, with zeros where this backward gave no gradient.
@@ -525,6 +536,7 @@ class GradReducer:
             p.accumulated_grad = None
         self._partial_sums.clear()
         self._partial_flags.clear()
+        self._unreduced_backward = False
 
 
 def _add_into(kept: dict[ShardedParam, torch.Tensor], p: ShardedParam, value: torch.Tensor) -> None:

@@ -286,7 +286,7 @@ class IterationContext:
                 groups = state.groups
                 if groups and (state.training_state is TrainingState.PRE_BACKWARD or any(
                     (not keep and group.state is not ShardedState.SHARDED and state.reshard_after_backward)
-                    or group.reducer.has_partial_sums_due for group in groups
+                    or group.reducer.reduction_due for group in groups
                 )):
                     state.post_backward(in_backward_pass=False)
                 state.training_state = TrainingState.IDLE
