@@ -85,8 +85,9 @@ def test_pipelining_imported_first_is_swapped_too() -> None:
 
     assert stage.FSDPModule is TORCH_FSDP_MODULE
     with fullshard.use_as_fsdp2(announce=False):
-        assert stage.FSDPModule is fullshard.FSDPModule and stage.fully_shard is fullshard.fully_shard
-        assert schedules.FSDPModule is fullshard.FSDPModule
+        # both classes: stages sharded by torch's FSDP2 (or its replicate()) stay recognised
+        assert stage.FSDPModule == (fullshard.FSDPModule, TORCH_FSDP_MODULE) == schedules.FSDPModule
+        assert stage.fully_shard is fullshard.fully_shard
     assert stage.FSDPModule is TORCH_FSDP_MODULE and schedules.FSDPModule is TORCH_FSDP_MODULE
 
 

@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 import fullshard
 from tests.harness import run_ranks
 
+TORCH_FULLY_SHARD = torch_fsdp.fully_shard
 WIDTH, LAYERS, MICRO_BATCHES, STEPS = 8, 8, 4, 2
 # name -> (schedule class, stages per pipeline rank)
 SCHEDULES: dict[str, tuple[Any, int]] = {
@@ -142,6 +143,11 @@ def _schedules_match_fsdp2(rank: int, world_size: int, schedule: str, reshard_af
     theirs = _train(schedule, _torch_fully_shard, reshard_after_forward=reshard_after_forward, variant=variant)
     assert ours[0] == theirs[0], (ours[0], theirs[0])
     assert torch.equal(ours[1], theirs[1]), (ours[1] - theirs[1]).abs().max()
+    if schedule == "GPipe" and variant == "plain":
+        # torch's FSDP2 itself while the names are swapped: the schedules still treat its stages as FSDP2's
+        with fullshard.use_as_fsdp2(announce=False):
+            torch_while_swapped = _train(schedule, TORCH_FULLY_SHARD, reshard_after_forward=reshard_after_forward)
+        assert torch_while_swapped[0] == theirs[0] and torch.equal(torch_while_swapped[1], theirs[1])
     ref_losses, ref_params = _reference(dp=2)
     tol = 2e-2 if variant == "mixed" else 1e-5
     torch.testing.assert_close(torch.tensor(ours[0]), torch.tensor(ref_losses), rtol=tol, atol=tol)

@@ -9,7 +9,10 @@ root's ``_root_post_backward_final_callback()``. These views answer those names 
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
+from torch.distributed.fsdp import fully_shard as _torch_fully_shard
 
 from fullshard.group import ParamGroup
 from fullshard.runtime import HookState, state_of
@@ -62,8 +65,13 @@ class StateView:
             ctx.settle_reductions()
 
 
-def state(module: nn.Module) -> StateView | None:
-    """The view of ``module``'s ``fully_shard`` state; ``None`` if ``fully_shard`` was not applied to it
-    (as FSDP2's ``fully_shard.state``)."""
+# Bound at import, before fullshard.use_as_fsdp2() can point torch's name at fullshard's fully_shard.
+_torch_state = _torch_fully_shard.state  # type: ignore[attr-defined]
+
+
+def state(module: nn.Module) -> Any:
+    """The view of ``module``'s ``fully_shard`` state; for a module that torch's FSDP2 sharded, torch's own state
+    (torch's pipelining reaches it through this name while the names are swapped); else ``None``, as FSDP2's
+    ``fully_shard.state``."""
     found = state_of(module)
-    return StateView(found) if found is not None else None
+    return StateView(found) if found is not None else _torch_state(module)

@@ -266,7 +266,7 @@ class GradReducer:
         accumulated without sync in an earlier backward (conditional compute across micro-batches, decided alike
         on every rank as every all-gather needs), or HSDP partial sums kept earlier that must be all-reduced."""
         settings = self.settings
-        return settings.requires_gradient_sync and self._unreduced_backward or (
+        return (settings.requires_gradient_sync and self._unreduced_backward) or (
             bool(self._partial_sums) and settings.all_reduces)
 
     # ---- no-sync accumulation ------------------------------------------------

@@ -49,8 +49,11 @@ MODULES = (
     "torch.distributed._composable.fsdp.fully_shard",
 )
 # torch's own modules that import those names and treat an FSDPModule stage as FSDP2's (its micro-batches
-# without gradient sync, one reduction at the end): swapped too when they were imported first, so the
-# order of imports does not matter ([Note: Pipeline schedules] in runtime.py).
+# without gradient sync, one reduction at the end; [Note: Pipeline schedules] in runtime.py): when they were
+# imported first, their FSDPModule becomes both classes (they only test isinstance), so stages sharded by
+# fullshard, by torch's FSDP2 or by torch's replicate() are all recognised, and their fully_shard becomes
+# fullshard's, whose ``state`` answers for torch's modules with torch's own state. A module imported while
+# the names are swapped keeps fullshard's names after restore(), as any importer does.
 USERS_IN_TORCH = (
     "torch.distributed.pipelining.stage",
     "torch.distributed.pipelining.schedules",
@@ -107,7 +110,8 @@ def use_as_fsdp2(*, announce: bool = True) -> Swap:
             theirs = getattr(user, name, None)
             if theirs is not None and id(theirs) in originals:
                 replaced.append((user, name, theirs))
-                setattr(user, name, getattr(fullshard, name))
+                ours = getattr(fullshard, name)
+                setattr(user, name, (ours, theirs) if name == "FSDPModule" else ours)
     swap = Swap(replaced)
     _active.append(swap)
     if replaced:
