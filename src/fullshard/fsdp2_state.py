@@ -54,11 +54,6 @@ class StateView:
     def _fsdp_param_groups(self) -> list[ParamGroupView]:
         return [ParamGroupView(self._state, group) for group in self._state.groups]
 
-    @property
-    def _fsdp_param_group(self) -> ParamGroupView | None:
-        groups = self._fsdp_param_groups
-        return groups[0] if groups else None
-
     def _root_post_backward_final_callback(self) -> None:
         ctx = self._state.ctx
         if ctx is not None:
