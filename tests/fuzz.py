@@ -2,8 +2,8 @@
 
 A seed draws a :class:`Case`: a model (depth, uneven widths down to one row, a zero-element parameter,
 ties within and across groups and made after ``fully_shard``, a complex parameter, a frozen parameter, branches
-taken on some steps or some ranks, buffers, a list group, a nested ``fully_shard``, outputs in containers), policies
-(mixed precision, CPU offload, ``reshard_after_forward`` bool or int, an HSDP mesh, ``QuantizedCommPolicy``)
+taken on some steps, some ranks or some micro-batches, buffers, a list group, a nested ``fully_shard``, outputs in
+containers), policies (mixed precision, CPU offload, ``reshard_after_forward`` bool or int, an HSDP mesh, ``QuantizedCommPolicy``)
 and a schedule (gradient accumulation with sync toggles, evaluation passes on all ranks or one replica,
 manual ``unshard()``, torch's or fullshard's SGD / AdamW, param groups splitting fullshard groups, an lr
 scheduler, clipping, EMA, a DCP checkpoint saved mid-run and loaded at another world size), how the model
@@ -73,7 +73,9 @@ class Case:
     tie: str = "none"  # none | within (pre/post tied, both in the root group) | across (separate groups) | after
     branch: str = "none"  # none | steps (the last block skipped on odd steps) | ranks (an extra layer in block 0
     # used on rank 0 only) | param_steps (that extra layer used on even steps only: its parameters miss steps) |
-    # micro (the last block skipped in each step's last micro-batch: with accumulation, it runs only without sync)
+    # micro (the last block skipped in each step's last micro-batch: with accumulation, it runs only without sync) |
+    # middle (three micro-batches; the last block runs in the middle one only: its gradients come from a micro-batch
+    # without sync that neither opens nor closes the step)
     list_group: bool = False  # blocks 0 and 1 as one group
     nested: bool = False  # block 0's linear sharded on its own inside block 0's group
     container: bool = False  # blocks return (tensor, {"aux": tensor})
@@ -166,7 +168,8 @@ class Case:
         step, 2.4e-4 apart in a step-1 gradient; fullshard within tolerance of the reference). HSDP partial sums kept in bf16
         over micro-batches likewise (seed 6319: both within 1.5e-3 of the reference, 1.7e-3 apart). A block skipped in
         the last micro-batch of HSDP's ``all_reduce_last``: FSDP2 never all-reduces the partial sums that the
-        earlier micro-batches kept, so the block has no gradient that step (seed 106)."""
+        earlier micro-batches kept, so the block has no gradient that step (seed 106; run in the middle micro-batch
+        only, seed 641)."""
         return (self.tie in ("none", "within") and not self.zero_numel and not self.strided and not self.reassign_later
                 and not self.scalar and not self.uneven1
                 and self.branch != "ranks" and not self.mixed_dtype and not self.complex and self.optim in ("sgd", "adamw")
@@ -174,7 +177,7 @@ class Case:
                 and not self.ema and self.resume_ws == 0 and self.user in ("none", "reentrant")
                 and not (self.reuse and (self.user == "reentrant" or (self.mp == "bf16" and (
                     self.accumulation > 1 or self.other_mesh != "none"))))
-                and not (self.all_reduce_last and (self.mp == "bf16" or self.branch == "micro")))
+                and not (self.all_reduce_last and (self.mp == "bf16" or self.branch in ("micro", "middle"))))
 
     @property
     def fsdp2_tolerance(self) -> dict[str, float]:
@@ -262,7 +265,7 @@ def draw(seed: int) -> Case:
         "world_size": ws, "widths": widths, "bias": rng.random() < 0.7, "norm": rng.random() < 0.3,
         "buffers": rng.random() < 0.3, "zero_numel": rng.random() < 0.1, "frozen": rng.random() < 0.2,
         "tie": rng.choice(["none", "none", "within", "across", "after"]),
-        "branch": rng.choice(["none", "none", "steps", "ranks", "param_steps", "micro"]),
+        "branch": rng.choice(["none", "none", "steps", "ranks", "param_steps", "micro", "middle"]),
         "list_group": len(widths) >= 4 and rng.random() < 0.3, "nested": rng.random() < 0.15,
         "container": rng.random() < 0.25, "mixed_dtype": rng.random() < 0.12,
         "mp": rng.choice(["none", "none", "none", "bf16", "bf16_fp32_reduce"]),
@@ -288,10 +291,9 @@ def draw(seed: int) -> Case:
         kw["reshard"] = "true" if kw["reshard"] == "int" else kw["reshard"]
     if rng.random() < 0.4:  # a case torch's FSDP2 runs too, so the two are compared
         kw.update(tie=rng.choice(["none", "within"]), zero_numel=False, quantized=False, ema=False, mixed_dtype=False,
-                  branch=rng.choice(["none", "steps", "param_steps", "micro"]), optim=rng.choice(["sgd", "adamw"]),
+                  branch=rng.choice(["none", "steps", "param_steps", "micro", "middle"]), optim=rng.choice(["sgd", "adamw"]),
                   clip=rng.choice(["none", "torch"]))
-        return _draw_complex(_draw_comm(_draw_mesh(_draw_uneven(_draw_scalar(_draw_strided(_draw_later(_draw_controls(
-            _draw_start(_draw_user(_draw_more(Case(seed, **kw))))))))))))
+        return _draw_rest(seed, kw)
     if rng.random() < 0.12:
         kw["resume_ws"] = rng.choice([w for w in (1, 2, 4) if w != ws])
         kw["hsdp"], kw["reshard"] = False, "true" if kw["reshard"] == "int" else kw["reshard"]
@@ -299,6 +301,12 @@ def draw(seed: int) -> Case:
         kw["steps"] = max(kw["steps"], 3)
         kw["eval_pass"] = "all" if kw["eval_pass"] == "replica" else kw["eval_pass"]
         kw["scheduler"] = kw["ema"] = False  # their state is not part of the checkpoint
+    return _draw_rest(seed, kw)
+
+
+def _draw_rest(seed: int, kw: dict[str, Any]) -> Case:
+    if kw["branch"] == "middle":
+        kw["accumulation"] = 3
     return _draw_complex(_draw_comm(_draw_mesh(_draw_uneven(_draw_scalar(_draw_strided(_draw_later(_draw_controls(
         _draw_start(_draw_user(_draw_more(Case(seed, **kw))))))))))))
 
@@ -509,7 +517,8 @@ class Net(nn.Module):
             first = self.blocks[0].lin
             (first.bias if first.bias is not None else first.weight).requires_grad_(False)
         self.step = 0
-        self.last_micro = False  # the step's last micro-batch runs (case.branch == "micro")
+        self.micro = 0  # which of the step's micro-batches runs (case.branch "micro" and "middle")
+        self.last_micro = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.predict(x)
@@ -521,7 +530,8 @@ class Net(nn.Module):
         for _ in range(2 if self.case.reuse else 0):
             h, aux = self.run_block(self.twice, h, aux)
         for i, block in enumerate(self.blocks):
-            skipped = self.step % 2 if self.case.branch == "steps" else self.last_micro and self.case.branch == "micro"
+            skipped = {"steps": self.step % 2 == 1, "micro": self.last_micro, "middle": self.micro != 1}.get(
+                self.case.branch, False)
             if skipped and i == len(self.blocks) - 1 and i > 0:
                 continue
             h, aux = self.run_block(block, h, aux)
@@ -856,7 +866,7 @@ def _step(case: Case, model: Net, opt: torch.optim.Optimizer, sched: Any, ema: A
     unreduced: list[dict[str, torch.Tensor]] = []  # the reference's bf16 gradients held for a later reduction
     for micro, per_rank in enumerate(data[step]):
         last = micro == len(data[step]) - 1
-        model.last_micro = last
+        model.micro, model.last_micro = micro, last
         if case.reassign_mid_step and step == 1 and micro == 1:
             name = _reassign_last_weight(model, opt, sharded=rank is not None)
             for held in unreduced:  # the replaced weight's gradients go with it

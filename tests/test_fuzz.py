@@ -23,11 +23,12 @@ def test_draws_are_reproducible_and_varied() -> None:
                           ("all_reduce_last", {False, True}), ("not_last", {False, True}),
                           ("method", {False, True}), ("mp_output", {False, True}), ("strided", {False, True}),
                           ("other_mesh", {"none", "hsdp", "replicated"}), ("complex", {False, True}),
-                          ("branch", {"none", "steps", "ranks", "param_steps", "micro"})):
+                          ("branch", {"none", "steps", "ranks", "param_steps", "micro", "middle"})):
         assert {getattr(c, field) for c in cases} >= values, field
     assert sum(c.fsdp2_supported for c in cases) > CI_CASES // 5
     # a group that runs only in micro-batches without sync, beside torch's FSDP2 too
     assert any(c.branch == "micro" and c.accumulation > 1 and not c.sync_each and c.fsdp2_supported for c in cases)
+    assert any(c.branch == "middle" and not c.sync_each and c.fsdp2_supported for c in cases)
     assert Case(3).describe() == "Case(seed=3)"
 
 
