@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from tests.wrapper_weight import WrapperWeight
@@ -98,6 +99,7 @@ class Case:
     steps: int = 3
     resume_ws: int = 0  # save after step 1 and continue at this world size (0: no checkpoint)
     tp: bool = False  # 4 ranks as a (2, 2) mesh: blocks' linear layers column-parallel on "tp", sharded on "dp"
+    # (their LayerNorms sequence-parallel on row shards: gradients that are partial sums over "tp")
     extension: bool = False  # block 0's linear weight a tensor subclass with FSDP2's all-gather hooks
     user: str = "none"  # what the training code does around the blocks: none | view_out (each block returns a
     # view, changed in place after it) | inplace_inputs (each block scales its input in place) | penalty (an
@@ -486,6 +488,8 @@ class Block(nn.Module):
         h = self.lin(x.to(self.lin.weight.dtype)).to(x.dtype)
         if self.norm is not None:
             h = self.norm(h)
+            if isinstance(h, DTensor):  # tensor parallel: the norm ran on row shards (see shard())
+                h = h.full_tensor()
         if hasattr(self, "empty"):
             h = h + self.empty.sum()
         if hasattr(self, "extra") and (self.active_rank == 0 if self.case.branch == "ranks" else self.step % 2 == 0):
@@ -588,7 +592,7 @@ def build_on_meta(case: Case) -> Net:
 def materialize(case: Case, model: Net) -> None:
     """Allocate a model sharded on the meta device and give it :func:`build`'s values, as the case's start-up says."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import distribute_tensor
 
     model.to_empty(device="cpu")
     if case.init == "meta_broadcast":
@@ -735,13 +739,19 @@ def shard(case: Case, model: Net, impl: str) -> None:
     elif case.reshard == "int" and ws == 4:
         inner["reshard_after_forward"] = 2
     if case.tp:
-        from torch.distributed.tensor import Replicate
-        from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel, parallelize_module
 
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         kw["mesh"] = inner["mesh"] = mesh["dp"]
         for block in model.blocks:
-            parallelize_module(block, mesh["tp"], {"lin": ColwiseParallel(output_layouts=Replicate())})
+            # A LayerNorm runs as torchtitan's sequence-parallel norms do, on row shards: its weight and bias
+            # are replicated on "tp" and their gradients partial sums over it, which the reduction must add up.
+            plan: dict[str, Any] = {"lin": ColwiseParallel(output_layouts=Replicate())}
+            if block.norm is not None:
+                plan = {"lin": ColwiseParallel(output_layouts=Shard(0), use_local_output=False),
+                        "norm": SequenceParallel(sequence_dim=0, use_local_output=False)}
+            parallelize_module(block, mesh["tp"], plan)
     if case.extension:
         lin = model.blocks[0].lin
         lin.weight = nn.Parameter(SplitWeight(lin.weight.detach()), requires_grad=lin.weight.requires_grad)
@@ -813,7 +823,6 @@ def _on_other_mesh(case: Case, placement_fn: Any) -> Any:
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
 
     from fullshard.param import full_tensor
 
@@ -925,7 +934,7 @@ def _step(case: Case, model: Net, opt: torch.optim.Optimizer, sched: Any, ema: A
 def _reassign_last_weight(model: Net, opt: torch.optim.Optimizer, sharded: bool) -> str:
     """``reassign_later``; the weight's name."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+    from torch.distributed.tensor import Replicate, distribute_tensor
 
     lin = model.blocks[-1].lin
     with torch.no_grad():

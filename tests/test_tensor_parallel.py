@@ -25,7 +25,7 @@ from fullshard import MixedPrecisionPolicy, fully_shard
 from tests.comm import CommRecorder
 from tests.harness import run_ranks
 from tests.models import mse_loss
-from tests.parity import assert_parity, full_params, random_batches, regression_batch, train
+from tests.parity import assert_parity, full_params, random_batches, regression_batch, token_batch, train
 
 DIM = 5  # in_proj 5 -> 15 rows: TP pieces of 8 and 7 rows, FSDP chunks of 4/4 and 4/3
 
@@ -398,3 +398,112 @@ def _experts_mesh_errors(rank: int, world_size: int) -> None:
 
 def test_experts_mesh_errors() -> None:
     run_ranks(4, _experts_mesh_errors)
+
+
+class SPBlock(nn.Module):
+    """A Llama-style block as torchtitan parallelises it: norms on sequence shards (their weights replicated on
+    ``tp``, so their gradients come out as partial sums over it), attention and MLP inputs gathered by
+    ``PrepareModuleInput``, column-parallel in, row-parallel out to sequence shards."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.attn_norm, self.mlp_norm = nn.RMSNorm(dim), nn.RMSNorm(dim)
+        self.attn = nn.ModuleDict({"q": nn.Linear(dim, dim, bias=False), "k": nn.Linear(dim, dim, bias=False),
+                                   "v": nn.Linear(dim, dim, bias=False), "o": nn.Linear(dim, dim, bias=False)})
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim, bias=False), nn.SiLU(), nn.Linear(2 * dim, dim, bias=False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.attn_norm(x)
+        b, s, _ = h.shape
+        q, k, v = (self.attn[n](h).view(b, s, -1, 2).transpose(1, 2) for n in "qkv")  # heads of 2, split over tp
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.attn["o"](o.transpose(1, 2).reshape(b, s, -1))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class SPNet(nn.Module):
+    def __init__(self, vocab: int = 24, dim: int = 8) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(SPBlock(dim) for _ in range(2))
+        self.norm, self.out = nn.RMSNorm(dim), nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self.out(self.norm(h))
+
+
+def _sequence_parallel(rank: int, world_size: int) -> None:
+    """torchtitan's TP plan (sequence-parallel norms, PrepareModuleInput, loss_parallel) under FSDP on ``dp``:
+    fp32 against the unsharded model, and bf16 with an fp32 reduction and a micro-batch without sync bit for bit
+    against torch's FSDP2 (which sums the norms' partial TP gradients over the micro-batches in fp32 and reduces
+    them over ``tp`` once)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel, loss_parallel
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank = mesh["dp"].get_local_rank()
+    gathered = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    block_plan = {"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel(), "attn": gathered,
+                  "mlp": gathered, "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(),
+                  "attn.v": ColwiseParallel(), "attn.o": RowwiseParallel(output_layouts=Shard(1)),
+                  "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel(output_layouts=Shard(1))}
+
+    def build(shard: object, mp: object) -> nn.Module:
+        torch.manual_seed(0)
+        model = SPNet()
+        parallelize_module(model, mesh["tp"], {
+            "emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)), "norm": SequenceParallel(),
+            "out": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)})
+        for block in model.blocks:
+            parallelize_module(block, mesh["tp"], block_plan)  # type: ignore[arg-type]
+            shard(block, mesh=mesh["dp"], mp_policy=mp)  # type: ignore[operator]
+        shard(model, mesh=mesh["dp"], mp_policy=mp)  # type: ignore[operator]
+        return model
+
+    def loss_fn(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        with loss_parallel():
+            logits = model(tokens[:, :-1])
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+
+    def step(model: nn.Module, opt: torch.optim.Optimizer, micro_batches: list[torch.Tensor]) -> list[float]:
+        losses = []
+        for i, tokens in enumerate(micro_batches):
+            model.set_requires_gradient_sync(i == len(micro_batches) - 1)  # type: ignore[operator]
+            loss = loss_fn(model, tokens) / len(micro_batches)
+            with loss_parallel():
+                loss.backward()
+            losses.append(float(loss.full_tensor() if isinstance(loss, DTensor) else loss))
+        opt.step()
+        opt.zero_grad()
+        return losses
+
+    batches = random_batches(3, 2, lambda g: [token_batch(g, vocab=24, seq=8, rows=2) for _ in range(2)])
+    torch.manual_seed(0)
+    ref = SPNet()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    model = build(fully_shard, MixedPrecisionPolicy())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for per_rank in batches:
+        for micro in range(2):
+            (sum(loss_fn(ref, per_rank[r][micro]) for r in range(2)) / 4).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        step(model, opt, per_rank[dp_rank])
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.full_tensor(), dict(ref.named_parameters())[name], rtol=1e-5, atol=1e-6)
+
+    bf16 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+    models = [build(fully_shard, MixedPrecisionPolicy(**bf16)), build(torch_fully_shard, TorchMixedPrecisionPolicy(**bf16))]
+    optims = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    for per_rank in batches:
+        assert step(models[0], optims[0], per_rank[dp_rank]) == step(models[1], optims[1], per_rank[dp_rank])
+    for (name, ours), theirs in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
+        assert torch.equal(ours.to_local(), theirs.to_local()), name
+
+
+def test_sequence_parallel_plan_matches_unsharded_and_fsdp2() -> None:
+    run_ranks(4, _sequence_parallel)

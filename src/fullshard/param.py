@@ -499,16 +499,19 @@ class ShardedParam:
         _remember(_unsharded_owners, param, self)
 
     def unsharded_grad(self) -> torch.Tensor | None:
-        """The unsharded parameter's gradient as a plain tensor (a tensor-parallel one's local piece)."""
+        """The unsharded parameter's gradient as autograd left it (a tensor-parallel one a ``DTensor``, which may
+        still be a partial sum over the TP axes: ``local_grad`` reduces it)."""
         grad = self.unsharded.grad
         if grad is not None and grad.layout is not torch.strided:
             raise UnsupportedError(
                 f"{self.fqn} got a {grad.layout} gradient; fully_shard reduces dense gradients only "
                 "(build the module with sparse=False, e.g. nn.Embedding(..., sparse=False))"
             )
-        if grad is None or self.tp is None:
-            return grad
-        return self.tp.local_grad(grad)
+        return grad
+
+    def local_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """``grad`` as a plain tensor: a tensor-parallel one's local piece, its TP partial sums reduced."""
+        return grad if self.tp is None else self.tp.local_grad(grad)
 
     @torch.no_grad()
     def adopt(self, value: torch.Tensor) -> None:

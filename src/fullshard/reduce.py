@@ -276,7 +276,10 @@ class GradReducer:
 
         Autograd already sums into ``unsharded.grad`` across backwards; only when
         the reduce dtype differs from the compute dtype are they moved into a
-        reduce-dtype accumulator, so the sum does not lose precision.
+        reduce-dtype accumulator, so the sum does not lose precision. A tensor-parallel
+        gradient is kept as autograd gives it, partial sums over the TP axes included:
+        those are reduced once, in the reduce dtype, when the group is (as FSDP2 does;
+        reducing each micro-batch's in the compute dtype rounded them to bf16 first).
         """
         group = self.group
         self._unreduced_backward = True
@@ -305,7 +308,7 @@ class GradReducer:
                 grad = p.accumulated_grad
             p.unsharded.grad = None
             p.accumulated_grad = None
-            grads.append(grad)
+            grads.append(None if grad is None else p.local_grad(grad))
         return grads
 
     # ---- arithmetic ------------------------------------------------------------
