@@ -83,6 +83,18 @@ def _summon(rank: int, world_size: int) -> None:
     model.zero_grad()
     ref.zero_grad()
 
+    # Between micro-batches without sync: this rank's accumulated gradients are not shown inside and survive it.
+    for sync, micro in ((False, batches[2]), (True, batches[3])):
+        model.set_requires_gradient_sync(sync)
+        lm_loss(model, micro[rank]).backward()
+        (sum(lm_loss(ref, b) for b in micro) / world_size).backward()
+        if not sync:
+            with summon_full_params(model, with_grads=True):
+                assert all(p.grad is None for p in model.parameters())
+    torch.testing.assert_close(full_grads(model), {n: p.grad for n, p in ref.named_parameters()})
+    model.zero_grad()
+    ref.zero_grad()
+
     with pytest.raises(ValueError, match="rank0_only=True and writeback=True cannot be combined"):
         with summon_full_params(model, rank0_only=True):
             pass

@@ -129,6 +129,8 @@ class ParamGroup:
         self.reducer = GradReducer(self)  # gradient reduction and its settings
         self.summoned = False  # inside summon_full_params
         self._summoned: set[int] = set()  # the objects summon registered (by id), while summoned
+        # The unsharded gradients that backwards without sync accumulated, set aside while summoned
+        self._held_grads: list[torch.Tensor | None] = []
         self.all_gather_comm: Any = None  # FSDPModule.set_custom_all_gather: torch's AllGather
         # One codec per parameter when the group all-gathers packed ([Note: Packed all-gather] in codec.py).
         self.codecs: list[Codec] | None = None
@@ -760,8 +762,12 @@ class ParamGroup:
         full gradients with ``with_grads``; ``keep_full=False`` registers the sharded ones again."""
         self.unshard()
         self.summoned = True
+        # Gradients accumulated without sync live on the unsharded parameters: set aside, not shown as the full
+        # gradients (they are this rank's, unreduced), and given back on exit.
+        self._held_grads = [p.unsharded.grad for p in self.params]
         for p in self.params:
             full = p.unsharded
+            full.grad = None
             grad = p.sharded.grad
             if with_grads and grad is not None:
                 full.grad = full_tensor(grad) if isinstance(grad, DTensor) else grad
@@ -799,9 +805,11 @@ class ParamGroup:
 
     def end_summon(self) -> None:
         """Leave ``summon`` (after ``write_back_summoned`` on every group)."""
-        for p in self.params:
-            p.unsharded.grad = None
+        held_grads = self._held_grads or [p.unsharded.grad for p in self.params]  # (summon raised before this group)
+        for p, held in zip(self.params, held_grads, strict=True):
+            p.unsharded.grad = held
             p.register(p.sharded)  # over the summoned copies, which resharding would leave as if assigned
+        self._held_grads = []
         self.reshard()
         self.summoned = False
 
