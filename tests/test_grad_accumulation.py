@@ -219,3 +219,38 @@ def _branch_only_without_sync(rank: int, world_size: int, mixed: bool) -> None:
 @pytest.mark.parametrize("mixed", [False, True])
 def test_group_run_only_without_sync_is_reduced(mixed: bool) -> None:
     run_ranks(2, _branch_only_without_sync, mixed)
+
+
+def _reset_drops_accumulated(rank: int, world_size: int, mixed: bool) -> None:
+    """``zero_grad()`` between micro-batches without sync reaches the sharded gradients only, not the unsharded
+    ones accumulated so far (as on FSDP2); ``reset_iter_state()`` drops those, so the step is the next
+    micro-batch's alone."""
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else None
+    torch.manual_seed(0)
+    ref = _Branch()
+    torch.manual_seed(0)
+    model = _Branch()
+    for module in (model.first, model.branch, model.last, model):
+        fully_shard(module, **({"mp_policy": policy} if policy else {}))
+    gen = torch.Generator().manual_seed(1)
+    micro = [[torch.randn(2, 4, generator=gen) for _ in range(2)] for _ in range(world_size)]
+    for drop in (model.zero_grad, model.reset_iter_state):
+        model.set_requires_gradient_sync(False)
+        model(micro[rank][0], use_branch=True).float().square().mean().backward()
+        drop()
+        model.set_requires_gradient_sync(True)
+        model(micro[rank][1], use_branch=True).float().square().mean().backward()
+        ref.zero_grad()
+        kept = [0, 1] if drop == model.zero_grad else [1]
+        for rank_micro in micro:
+            for i in kept:
+                (ref(rank_micro[i], use_branch=True).square().mean() / world_size).backward()
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad.full_tensor(), ref.get_parameter(name).grad, msg=f"{drop.__name__}: {name}",
+                                       **({"rtol": 2e-2, "atol": 2e-2} if mixed else {}))
+        model.zero_grad()
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_reset_iter_state_drops_gradients_accumulated_without_sync(mixed: bool) -> None:
+    run_ranks(2, _reset_drops_accumulated, mixed)
