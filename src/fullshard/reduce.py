@@ -279,7 +279,7 @@ class GradReducer:
         reduce-dtype accumulator, so the sum does not lose precision. A tensor-parallel
         gradient is kept as autograd gives it, partial sums over the TP axes included:
         those are reduced once, in the reduce dtype, when the group is (as FSDP2 does;
-        reducing each micro-batch's in the compute dtype rounded them to bf16 first).
+        reducing each micro-batch's first would round them in the compute dtype).
         """
         group = self.group
         self._unreduced_backward = True
