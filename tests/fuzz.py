@@ -92,7 +92,8 @@ class Case:
     sync_each: bool = False  # with accumulation: also reduce on every micro-batch (no set_requires_gradient_sync)
     eval_pass: str = "none"  # none | all | replica (one HSDP replica / rank 0 evaluates)
     manual_unshard: bool = False
-    optim: str = "sgd"  # sgd | adamw | fs_adamw | fs_sgd | muon (fullshard's Muon on matrices, AdamW on the rest)
+    optim: str = "sgd"  # sgd | adamw | fs_adamw | fs_sgd | muon (fullshard's Muon on matrices, AdamW on the rest) |
+    # adafactor (torch's, which fails on FSDP2's parameters)
     split_groups: bool = False
     scheduler: bool = False
     clip: str = "none"  # none | torch | fullshard
@@ -236,7 +237,7 @@ class Case:
         seeds 0-31499, the other 87 passed)."""
         if self.quantized and sum(self.normed(a, b) and a < b for a, b in zip(self.widths, self.widths[1:])) >= 2:
             return 0
-        if self.quantized and (self.optim in ("adamw", "fs_adamw", "muon") or self._norm_after_narrower_layer):
+        if self.quantized and (self.optim in ("adamw", "fs_adamw", "muon", "adafactor") or self._norm_after_narrower_layer):
             return 1
         if self.mp != "none" and self._norm_after_narrower_layer and (
                 self.tp or (self.mp == "bf16" and self.all_reduce_last and self.optim in ("adamw", "fs_adamw"))):
@@ -343,7 +344,7 @@ def _draw_complex(case: Case) -> Case:
     of an unevenly sharded complex DTensor is a replicated copy, and the update goes to it (torch 2.13; FSDP2's case)."""
     rng = random.Random(f"complex-{case.seed}")
     dtensor_adam = case.optim == "adamw" and (case.extension or case.reassign_later)
-    if rng.random() >= 0.2 or case.fsdp2_supported or case.tp or dtensor_adam:
+    if rng.random() >= 0.2 or case.fsdp2_supported or case.tp or dtensor_adam or case.optim == "adafactor":
         return case
     # (a group of several dtypes takes no int reshard_after_forward)
     return dataclasses.replace(case, complex=True, reshard="true" if case.reshard == "int" else case.reshard)
@@ -404,8 +405,8 @@ def _draw_later(case: Case) -> Case:
 
 
 def _draw_more(case: Case) -> Case:
-    """Tensor parallel, a tensor-subclass extension and Muon, drawn from a stream of their own (the other
-    features of a seed stay what they were before these existed)."""
+    """Tensor parallel, a tensor-subclass extension, Muon and Adafactor, drawn from a stream of their own (the
+    other features of a seed stay what they were before these existed)."""
     rng = random.Random(f"more-{case.seed}")
     tp = case.world_size == 4 and not case.hsdp and rng.random() < 0.35
     extension = rng.random() < 0.12
@@ -422,6 +423,9 @@ def _draw_more(case: Case) -> Case:
     # small matrix's gradient becomes an O(lr) difference in its update, whichever side rounded
     if muon and not tp and case.resume_ws == 0 and not case.fsdp2_supported and case.mp == "none":
         change.update(optim="muon", scheduler=False)
+    elif rng.random() < 0.15 and not case.fsdp2_supported and not case.zero_numel:
+        # torch's Adafactor raises on FSDP2's parameters, and divides by zero on a zero-element one
+        change.update(optim="adafactor")
     return dataclasses.replace(case, **change)
 
 
@@ -686,6 +690,8 @@ def make_optim(case: Case, model: nn.Module, reference: bool) -> Any:
         return torch.optim.AdamW(groups, lr=0.01, eps=1e-3)
     if kind == "fs_sgd":
         return fullshard.optim.SGD(groups, lr=0.05, momentum=0.9)
+    if kind == "adafactor":  # eps: the clamps bound 1 / sqrt(second moment), as AdamW's eps above
+        return torch.optim.Adafactor(groups, lr=0.01, eps=(1e-3, 1e-3))
     return fullshard.optim.AdamW(groups, lr=0.01, eps=1e-3, foreach=True)  # the flat path
 
 

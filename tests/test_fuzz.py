@@ -15,7 +15,7 @@ def test_draws_are_reproducible_and_varied() -> None:
     cases = [draw(s) for s in range(CI_CASES)]
     for field, values in (("world_size", {2, 4}), ("tie", {"none", "within", "across", "after"}),
                           ("mp", {"none", "bf16", "bf16_fp32_reduce"}), ("resume_ws", {0, 1, 2, 4}),
-                          ("optim", {"sgd", "adamw", "fs_adamw", "fs_sgd", "muon"}), ("eval_pass", {"none", "all", "replica"}),
+                          ("optim", {"sgd", "adamw", "fs_adamw", "fs_sgd", "muon", "adafactor"}), ("eval_pass", {"none", "all", "replica"}),
                           ("tp", {False, True}), ("extension", {False, True}),
                           ("init", {"plain", "meta_copy", "meta_broadcast"}), ("prefetch", {False, True}),
                           ("ac", {"none", "inside", "outside"}), ("reuse", {False, True}), ("dim1", {False, True}),

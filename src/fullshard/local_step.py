@@ -38,7 +38,9 @@ stay fullshard's), a parameter or state tensor sharded differently from its
 parameter, a local tensor that is a tensor subclass. ``foreach`` left at None
 resolves the same way on the local tensors as on the DTensors (torch counts DTensor among
 the types its foreach kernels take), so the same kernels run either way.
-``fullshard.optim.local_steps(False)`` turns it off. The same hook also keeps the state of a
+``fullshard.optim.local_steps(False)`` turns it off. ``torch.optim.Adafactor`` (not elementwise: its
+reductions span shards) gets a stand-in of its own, whatever that switch says: fullshard runs its step with the
+reductions summed across ranks ([Note: Sharded Adafactor] in adafactor.py). The same hook also keeps the state of a
 0-dim (replicated) parameter shaped like it, whatever loaded it (``replicate_scalar_state``). Three steps run only here: ``Rprop``
 (it masks its gradient in place) and fused ``SGD`` and ``Adagrad`` (DTensor has no
 sharding rule for their kernels) raise on the DTensor path, as on FSDP2's parameters.
@@ -52,6 +54,7 @@ from typing import Any, cast
 import torch
 from torch.distributed.tensor import DTensor, Partial
 
+from fullshard import adafactor
 from fullshard.group import group_of
 
 __all__ = ["local_steps", "pre_step"]
@@ -120,15 +123,23 @@ def pre_step(
         opt.__dict__["_fullshard_seen"] = True
         replicate_scalar_state(opt)
         opt.register_load_state_dict_post_hook(replicate_scalar_state)
-    if not _enabled or type(opt) not in _ELEMENTWISE or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or args[0] is not opt:
         return None
-    if args[0] is not opt or len(args) > 1 or kwargs.get("closure") is not None:
+    if type(opt) is torch.optim.Adafactor and _holds_fullshard_params(opt):
+        return (_AdafactorStep(opt).stand_in(), *args[1:]), kwargs
+    if not _enabled or type(opt) not in _ELEMENTWISE:
+        return None
+    if len(args) > 1 or kwargs.get("closure") is not None:
         return None  # a closure recomputes gradients on the real parameters during the step
     if opt.defaults.get("differentiable") or any(group.get("differentiable") for group in opt.param_groups):
         return None
-    if not any(type(p) is DTensor and group_of(p) is not None for group in opt.param_groups for p in group["params"]):
+    if not _holds_fullshard_params(opt):
         return None  # nothing of fullshard's: leave the optimizer alone
     return (_LocalStep(opt).stand_in(), *args[1:]), kwargs
+
+
+def _holds_fullshard_params(opt: torch.optim.Optimizer) -> bool:
+    return any(type(p) is DTensor and group_of(p) is not None for group in opt.param_groups for p in group["params"])
 
 
 def replicate_scalar_state(opt: torch.optim.Optimizer) -> None:
@@ -191,6 +202,23 @@ class _LocalStep:
                 p = alias
             local.append(p)
         return local
+
+
+class _AdafactorStep(_LocalStep):
+    """The stand-in for one ``Adafactor.step()`` ([Note: Sharded Adafactor] in adafactor.py): at the step's
+    first look at a group's ``params`` (after every pre-hook and the closure) fullshard runs the whole step,
+    and torch's then finds no parameters. If the parameters cannot be served, torch's step gets the real
+    ones and runs through DTensor, as on FSDP2's parameters."""
+
+    def params_of(self, index: int) -> list[torch.Tensor]:
+        if self.params is None:
+            groups = self.opt.param_groups
+            if adafactor.servable(self.opt):
+                adafactor.step(self.opt)
+                self.params = [[] for _ in groups]
+            else:
+                self.params = [group["params"] for group in groups]
+        return self.params[index]
 
 
 _stand_in_classes: dict[type, type] = {}
