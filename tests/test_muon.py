@@ -1,4 +1,5 @@
-"""fullshard.optim.Muon: whole-matrix Newton-Schulz on an owner rank, against torch.optim.Muon unsharded."""
+"""fullshard.optim.Muon, and torch.optim.Muon on fullshard's parameters (fullshard runs its step): whole-matrix
+Newton-Schulz on an owner rank, against torch.optim.Muon unsharded."""
 
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ def shard(model: nn.Module, columns: bool = False) -> nn.Module:
     return model
 
 
-def _parity(rank: int, world_size: int, columns: bool) -> dict[str, int]:
+def _parity(rank: int, world_size: int, columns: bool, muon: str = "fullshard") -> dict[str, int]:
     # Rows: weights 13x7, 5x13, 3x5 (uneven rows, and ranks with no rows at 4). Columns: 8x8 (square), 12x8 (tall),
     # 4x12 (wide), 3x4, all dividing among 2 and 4 ranks.
     dims = (8, 8, 12, 4, 3) if columns else (7, 13, 5, 3)
@@ -86,7 +87,7 @@ def _parity(rank: int, world_size: int, columns: bool) -> dict[str, int]:
 
     dist.all_to_all_single = counting  # type: ignore[assignment]
     try:
-        opt = Pair(model, fullshard.optim.Muon)
+        opt = Pair(model, fullshard.optim.Muon if muon == "fullshard" else torch.optim.Muon)
         losses = _train(model, opt, batches, rank)
     finally:
         dist.all_to_all_single = orig  # type: ignore[assignment]
@@ -106,6 +107,33 @@ def _parity(rank: int, world_size: int, columns: bool) -> dict[str, int]:
 def test_muon_matches_torch_muon_unsharded(world_size: int, columns: bool) -> None:
     for calls in run_ranks(world_size, _parity, columns):
         assert calls == {"all_to_all": 2 * 5}  # two all-to-alls per step: rows to the owners and back
+
+
+def _torch_muon(rank: int, world_size: int) -> None:
+    dims = (7, 13, 5, 3)
+    batches = random_batches(4, world_size, lambda gen: regression_batch(gen, in_dim=dims[0]))
+    models, opts = [], []
+    for muon in (torch.optim.Muon, fullshard.optim.Muon):
+        torch.manual_seed(0)
+        models.append(shard(MLP(dims)))
+        opts.append(Pair(models[-1], muon))
+        _train(models[-1], opts[-1], batches, rank)
+    # torch's class on fullshard's parameters takes fullshard's step: the same bits and state.
+    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
+        assert torch.equal(a._local_tensor, b._local_tensor), name
+        if a.ndim == 2:
+            buffers = [opt.muon.state[p]["momentum_buffer"] for opt, p in zip(opts, (a, b), strict=True)]
+            assert buffers[0]._spec == buffers[1]._spec and torch.equal(*(t._local_tensor for t in buffers)), name
+    # torch's refusal of complex parameters stays.
+    model = fully_shard(nn.Linear(4, 3, bias=False).to(torch.complex64))
+    opt = torch.optim.Muon(model.parameters())
+    model(torch.randn(2, 4, dtype=torch.complex64)).abs().sum().backward()
+    with pytest.raises(RuntimeError, match="Muon does not support complex parameters"):
+        opt.step()
+
+
+def test_torch_muon_on_fullshard_parameters_steps_like_fullshard_muon() -> None:
+    run_ranks(2, _torch_muon)
 
 
 def test_owners_balance_newton_schulz_cost() -> None:

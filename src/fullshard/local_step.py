@@ -38,9 +38,10 @@ stay fullshard's), a parameter or state tensor sharded differently from its
 parameter, a local tensor that is a tensor subclass. ``foreach`` left at None
 resolves the same way on the local tensors as on the DTensors (torch counts DTensor among
 the types its foreach kernels take), so the same kernels run either way.
-``fullshard.optim.local_steps(False)`` turns it off. ``torch.optim.Adafactor`` (not elementwise: its
-reductions span shards) gets a stand-in of its own, whatever that switch says: fullshard runs its step with the
-reductions summed across ranks ([Note: Sharded Adafactor] in adafactor.py). The same hook also keeps the state of a
+``fullshard.optim.local_steps(False)`` turns it off. ``torch.optim.Adafactor`` and ``torch.optim.Muon``
+(not elementwise: their updates span shards) get a stand-in of their own, whatever that switch says, and
+fullshard runs their step: Adafactor's reductions summed across ranks ([Note: Sharded Adafactor] in
+adafactor.py), Muon's matrices orthogonalised whole ([Note: Sharded Muon] in muon.py). The same hook also keeps the state of a
 0-dim (replicated) parameter shaped like it, whatever loaded it (``replicate_scalar_state``). Three steps run only here: ``Rprop``
 (it masks its gradient in place) and fused ``SGD`` and ``Adagrad`` (DTensor has no
 sharding rule for their kernels) raise on the DTensor path, as on FSDP2's parameters.
@@ -48,13 +49,13 @@ sharding rule for their kernels) raise on the DTensor path, as on FSDP2's parame
 
 from __future__ import annotations
 
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any, cast
 
 import torch
 from torch.distributed.tensor import DTensor, Partial
 
-from fullshard import adafactor
+from fullshard import adafactor, muon
 from fullshard.group import group_of
 
 __all__ = ["local_steps", "pre_step"]
@@ -125,8 +126,9 @@ def pre_step(
         opt.register_load_state_dict_post_hook(replicate_scalar_state)
     if torch.compiler.is_compiling() or args[0] is not opt:
         return None
-    if type(opt) is torch.optim.Adafactor and _holds_fullshard_params(opt):
-        return (_AdafactorStep(opt).stand_in(), *args[1:]), kwargs
+    own = _OWN_STEPS.get(type(opt))
+    if own is not None and _holds_fullshard_params(opt):
+        return (_OwnStep(opt, *own).stand_in(), *args[1:]), kwargs
     if not _enabled or type(opt) not in _ELEMENTWISE:
         return None
     if len(args) > 1 or kwargs.get("closure") is not None:
@@ -204,21 +206,35 @@ class _LocalStep:
         return local
 
 
-class _AdafactorStep(_LocalStep):
-    """The stand-in for one ``Adafactor.step()`` ([Note: Sharded Adafactor] in adafactor.py): at the step's
-    first look at a group's ``params`` (after every pre-hook and the closure) fullshard runs the whole step,
-    and torch's then finds no parameters. If the parameters cannot be served, torch's step gets the real
-    ones and runs through DTensor, as on FSDP2's parameters."""
+class _OwnStep(_LocalStep):
+    """The stand-in for one step of an optimizer whose update spans shards (``_OWN_STEPS``): at the step's first
+    look at a group's ``params`` (after every pre-hook and the closure) fullshard runs the whole step, and
+    torch's then finds no parameters. If the parameters cannot be served, torch's step gets the real ones and
+    runs through DTensor, as on FSDP2's parameters."""
+
+    def __init__(self, opt: torch.optim.Optimizer, servable: Callable[[torch.optim.Optimizer], bool],
+                 step: Callable[[torch.optim.Optimizer], None]) -> None:
+        super().__init__(opt)
+        self._servable, self._step = servable, step
 
     def params_of(self, index: int) -> list[torch.Tensor]:
         if self.params is None:
             groups = self.opt.param_groups
-            if adafactor.servable(self.opt):
-                adafactor.step(self.opt)
+            if self._servable(self.opt):
+                self._step(self.opt)
                 self.params = [[] for _ in groups]
             else:
                 self.params = [group["params"] for group in groups]
         return self.params[index]
+
+
+# torch's optimizers whose update is not elementwise, and fullshard's step for them: Adafactor's row, column
+# and norm reductions summed across shards ([Note: Sharded Adafactor]); Muon's Newton-Schulz run once per whole
+# matrix ([Note: Sharded Muon]), which through DTensor takes collectives per iteration and bf16 partial sums.
+_OWN_STEPS: dict[type, tuple[Callable[[torch.optim.Optimizer], bool], Callable[[torch.optim.Optimizer], None]]] = {
+    torch.optim.Adafactor: (adafactor.servable, adafactor.step),
+    torch.optim.Muon: (muon.servable, muon.sharded_step),
+}
 
 
 _stand_in_classes: dict[type, type] = {}

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
-__all__ = ["Muon"]
+__all__ = ["Muon", "servable", "sharded_step"]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -57,14 +57,32 @@ def _sharding(p: torch.Tensor) -> tuple[dist.ProcessGroup, int] | None:
     axes = [axis for axis, placement in enumerate(p.placements) if not placement.is_replicate()]
     if not axes:
         return None
-    placement = p.placements[axes[0]]
-    if len(axes) > 1 or not (placement.is_shard(0) or placement.is_shard(1)):
+    if not _one_split(p):
         raise NotImplementedError(
             f"fullshard.optim.Muon orthogonalises matrices sharded on dim 0 or 1 over one mesh axis; got a parameter "
             f"with placements {p.placements} (tensor parallel is not supported)"
         )
     group = p.device_mesh.get_group(axes[0])
-    return None if dist.get_world_size(group) == 1 else (group, cast(Shard, placement).dim)
+    return None if dist.get_world_size(group) == 1 else (group, cast(Shard, p.placements[axes[0]]).dim)
+
+
+def _one_split(p: DTensor) -> bool:
+    """Whether ``p`` is split over at most one mesh axis, by rows or by columns (``Shard``, not ``Partial``)."""
+    split = [pl for pl in p.placements if not pl.is_replicate()]
+    return len(split) <= 1 and all(pl.is_shard(0) or pl.is_shard(1) for pl in split)
+
+
+def servable(opt: torch.optim.Optimizer) -> bool:
+    """Whether :func:`sharded_step` can run ``opt`` (torch's Muon): every parameter with a gradient plain, or a ``DTensor``
+    split over one mesh axis with its gradient placed alike (not tensor parallel's two axes)."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            grad = p.grad
+            if grad is None or (type(p) is not DTensor and type(grad) is not DTensor):
+                continue
+            if type(p) is not DTensor or type(grad) is not DTensor or grad._spec != p._spec or not _one_split(p):
+                return False
+    return True
 
 
 def owners(shapes: list[torch.Size], world_size: int) -> list[int]:
@@ -94,44 +112,57 @@ class Muon(torch.optim.Muon):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            updates = []
-            for p in params:
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-                grad, buf = _local(p.grad), _local(state["momentum_buffer"])
-                buf.lerp_(grad, 1 - group["momentum"])
-                updates.append(grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf)
-            ns = (group["ns_coefficients"], group["ns_steps"], group["eps"])
-            for p, rows in zip(params, self._orthogonalise(params, updates, ns)):
-                local = _local(p)
-                local.mul_(1 - group["lr"] * group["weight_decay"])
-                local.add_(rows, alpha=-_adjust_lr(group["lr"], group["adjust_lr_fn"], p.shape))
+        sharded_step(self)
         return loss
 
-    def _orthogonalise(self, params: list[torch.Tensor], updates: list[torch.Tensor], ns: tuple[Any, ...]) -> list[torch.Tensor]:
-        """Each parameter's rows of the orthogonalised update (bf16)."""
-        results: list[torch.Tensor | None] = [None] * len(params)
-        by_group: dict[dist.ProcessGroup, list[int]] = {}
-        columns: set[int] = set()  # split on dim 1: travel as their transpose (see the Note)
-        for i, p in enumerate(params):
-            sharding = _sharding(p)
-            if sharding is None:
-                results[i] = _zeropower_via_newtonschulz(updates[i], *ns)
-                continue
-            group, dim = sharding
-            by_group.setdefault(group, []).append(i)
-            if dim == 1:
-                columns.add(i)
-        for group, indices in by_group.items():
-            shapes = [torch.Size(reversed(params[i].shape)) if i in columns else params[i].shape for i in indices]
-            local = [updates[i].T if i in columns else updates[i] for i in indices]
-            transposed = [i in columns for i in indices]
-            for i, rows in zip(indices, _orthogonalise_on(group, shapes, local, ns, transposed)):
-                results[i] = rows.T if i in columns else rows
-        return [r for r in results if r is not None]
+
+@torch.no_grad()
+def sharded_step(opt: torch.optim.Optimizer) -> None:
+    """One step of ``opt`` (``torch.optim.Muon``'s hyperparameters and state) on the local shards, each matrix
+    orthogonalised whole ([Note: Sharded Muon]); torch's refusals (complex, sparse) kept."""
+    for group in opt.param_groups:
+        params = [p for p in group["params"] if p.grad is not None]
+        lr = group["lr"].item() if isinstance(group["lr"], torch.Tensor) else group["lr"]
+        updates = []
+        for p in params:
+            if torch.is_complex(p):
+                raise RuntimeError("Muon does not support complex parameters")
+            if p.grad.is_sparse:
+                raise RuntimeError("Muon does not support sparse gradients")
+            state = opt.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+            grad, buf = _local(p.grad), _local(state["momentum_buffer"])
+            buf.lerp_(grad, 1 - group["momentum"])
+            updates.append(grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf)
+        ns = (group["ns_coefficients"], group["ns_steps"], group["eps"])
+        for p, rows in zip(params, _orthogonalise(params, updates, ns)):
+            local = _local(p)
+            local.mul_(1 - lr * group["weight_decay"])
+            local.add_(rows, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
+
+
+def _orthogonalise(params: list[torch.Tensor], updates: list[torch.Tensor], ns: tuple[Any, ...]) -> list[torch.Tensor]:
+    """Each parameter's rows of the orthogonalised update (bf16)."""
+    results: list[torch.Tensor | None] = [None] * len(params)
+    by_group: dict[dist.ProcessGroup, list[int]] = {}
+    columns: set[int] = set()  # split on dim 1: travel as their transpose (see the Note)
+    for i, p in enumerate(params):
+        sharding = _sharding(p)
+        if sharding is None:
+            results[i] = _zeropower_via_newtonschulz(updates[i], *ns)
+            continue
+        group, dim = sharding
+        by_group.setdefault(group, []).append(i)
+        if dim == 1:
+            columns.add(i)
+    for group, indices in by_group.items():
+        shapes = [torch.Size(reversed(params[i].shape)) if i in columns else params[i].shape for i in indices]
+        local = [updates[i].T if i in columns else updates[i] for i in indices]
+        transposed = [i in columns for i in indices]
+        for i, rows in zip(indices, _orthogonalise_on(group, shapes, local, ns, transposed)):
+            results[i] = rows.T if i in columns else rows
+    return [r for r in results if r is not None]
 
 
 def _orthogonalise_on(
