@@ -124,6 +124,22 @@ def _torch_muon(rank: int, world_size: int) -> None:
         if a.ndim == 2:
             buffers = [opt.muon.state[p]["momentum_buffer"] for opt, p in zip(opts, (a, b), strict=True)]
             assert buffers[0]._spec == buffers[1]._spec and torch.equal(*(t._local_tensor for t in buffers)), name
+    # torch's refusals, on every rank before any collective (Newton-Schulz runs on the owner alone).
+    refusals: list[tuple[dict[str, Any], str]] = [
+        ({"ns_steps": 100}, "ns_steps must be less than 100"),
+        ({"ns_coefficients": (1.0, 2.0)}, "ns_coefficients must be 3 values"),
+        ({}, "must be a 2D matrix"),  # a vector from add_param_group, which does not check
+    ]
+    bias = models[0].layers[0].bias
+    for change, message in refusals:
+        opt = torch.optim.Muon([p for p in models[0].parameters() if p.ndim == 2])
+        opt.param_groups[0].update(change)
+        if not change:
+            opt.add_param_group({"params": [bias]})
+        mse_loss(models[0], batches[0][rank]).backward()
+        with pytest.raises(ValueError, match=message):
+            opt.step()
+        opt.zero_grad()
     # torch's refusal of complex parameters stays.
     model = fully_shard(nn.Linear(4, 3, bias=False).to(torch.complex64))
     opt = torch.optim.Muon(model.parameters())

@@ -122,13 +122,10 @@ def sharded_step(opt: torch.optim.Optimizer) -> None:
     orthogonalised whole ([Note: Sharded Muon]); torch's refusals (complex, sparse) kept."""
     for group in opt.param_groups:
         params = [p for p in group["params"] if p.grad is not None]
+        _check(group, params)
         lr = group["lr"].item() if isinstance(group["lr"], torch.Tensor) else group["lr"]
         updates = []
         for p in params:
-            if torch.is_complex(p):
-                raise RuntimeError("Muon does not support complex parameters")
-            if p.grad.is_sparse:
-                raise RuntimeError("Muon does not support sparse gradients")
             state = opt.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
@@ -140,6 +137,22 @@ def sharded_step(opt: torch.optim.Optimizer) -> None:
             local = _local(p)
             local.mul_(1 - lr * group["weight_decay"])
             local.add_(rows, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
+
+
+def _check(group: dict[str, Any], params: list[torch.Tensor]) -> None:
+    """torch's refusals, made on every rank before any collective: Newton-Schulz runs on the owner rank only, so
+    its own argument checks would fail there alone and leave the other ranks waiting in the all-to-all."""
+    for p in params:
+        if torch.is_complex(p):
+            raise RuntimeError("Muon does not support complex parameters")
+        if p.grad.is_sparse:
+            raise RuntimeError("Muon does not support sparse gradients")
+        if p.grad.ndim != 2:  # a parameter added by add_param_group, which does not check
+            raise ValueError(f"Muon: every parameter's gradient must be a 2D matrix, got shape {tuple(p.grad.shape)}")
+    if params and group["ns_steps"] >= 100:
+        raise ValueError(f"Muon: ns_steps must be less than 100, got {group['ns_steps']}")
+    if params and len(group["ns_coefficients"]) != 3:
+        raise ValueError(f"Muon: ns_coefficients must be 3 values, got {group['ns_coefficients']!r}")
 
 
 def _orthogonalise(params: list[torch.Tensor], updates: list[torch.Tensor], ns: tuple[Any, ...]) -> list[torch.Tensor]:
