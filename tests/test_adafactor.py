@@ -17,15 +17,16 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate
 
 import fullshard
 import fullshard.optim
-from fullshard import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from fullshard import fully_shard
 from tests import test_tensor_parallel as tp
 from tests.harness import run_ranks
 from tests.models import Transformer, lm_loss, mse_loss
 from tests.parity import assert_parity, full, random_batches, token_batch, train
+from tests.test_local_step import _layout  # dim 0 (the default), shard_dim_1, offload, bf16, hsdp
 
 OPTIONS: dict[str, dict[str, Any]] = {
     "default": {},
@@ -34,24 +35,12 @@ OPTIONS: dict[str, dict[str, Any]] = {
 }
 
 
-def _shard_kwargs(layout: str, world_size: int) -> dict[str, Any]:
-    if layout == "shard_dim_1":  # matrices split by columns: the row means are summed across ranks
-        return {"shard_placement_fn": lambda p: Shard(1) if p.dim() == 2 else None}
-    if layout == "offload":
-        return {"offload_policy": CPUOffloadPolicy()}
-    if layout == "bf16":
-        return {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
-    if layout == "hsdp":
-        return {"mesh": init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))}
-    return {}  # dim 0: at 2 ranks the vocabulary's 37 rows split 19/18, at 4 10/10/10/7
-
-
 def _sharded(layout: str, world_size: int, shard: Any = fully_shard) -> nn.Module:
     torch.manual_seed(0)
     model = Transformer()
     for block in model.blocks:
-        shard(block, **_shard_kwargs(layout, world_size))
-    shard(model, **_shard_kwargs(layout, world_size))
+        shard(block, **_layout(layout, world_size))
+    shard(model, **_layout(layout, world_size))
     return model
 
 

@@ -187,10 +187,8 @@ class _Branch(nn.Module):
         return self.last(self.branch(h) if use_branch else h)
 
 
-def _branch_only_without_sync(rank: int, world_size: int, mixed: bool) -> None:
-    """A group whose modules ran only in the micro-batch without sync is reduced at the end of the synced one
-    (its gradients were left unreduced: the step trained it with none, and a later synced backward through it
-    would have added this step's into another's)."""
+def _branch_pair(mixed: bool) -> tuple[nn.Module, nn.Module]:
+    """The unsharded reference and a copy with every module sharded (bf16 compute, fp32 reduce when ``mixed``)."""
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else None
     torch.manual_seed(0)
     ref = _Branch()
@@ -198,6 +196,14 @@ def _branch_only_without_sync(rank: int, world_size: int, mixed: bool) -> None:
     model = _Branch()
     for module in (model.first, model.branch, model.last, model):
         fully_shard(module, **({"mp_policy": policy} if policy else {}))
+    return ref, model
+
+
+def _branch_only_without_sync(rank: int, world_size: int, mixed: bool) -> None:
+    """A group whose modules ran only in the micro-batch without sync is reduced at the end of the synced one
+    (its gradients were left unreduced: the step trained it with none, and a later synced backward through it
+    would have added this step's into another's)."""
+    ref, model = _branch_pair(mixed)
     gen = torch.Generator().manual_seed(1)
     tol = {"rtol": 2e-2, "atol": 2e-2} if mixed else {}
     for step, branch_in in enumerate((0, 0, 1)):  # the micro-batch that runs the branch
@@ -225,13 +231,7 @@ def _reset_drops_accumulated(rank: int, world_size: int, mixed: bool) -> None:
     """``zero_grad()`` between micro-batches without sync reaches the sharded gradients only, not the unsharded
     ones accumulated so far (as on FSDP2); ``reset_iter_state()`` drops those, so the step is the next
     micro-batch's alone."""
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else None
-    torch.manual_seed(0)
-    ref = _Branch()
-    torch.manual_seed(0)
-    model = _Branch()
-    for module in (model.first, model.branch, model.last, model):
-        fully_shard(module, **({"mp_policy": policy} if policy else {}))
+    ref, model = _branch_pair(mixed)
     gen = torch.Generator().manual_seed(1)
     micro = [[torch.randn(2, 4, generator=gen) for _ in range(2)] for _ in range(world_size)]
     for drop in (model.zero_grad, model.reset_iter_state):
