@@ -17,8 +17,9 @@ FSDP2's finer controls (2-D weights sharded on dim 1, 1-D parameters on a mesh o
 a mixed-precision ``output_dtype``).
 
 Every case trains sharded on gloo ranks and unsharded in this process on the same batches; every step's
-losses and full gradients and the final full parameters (and EMA averages) must agree (fp32: 1e-5; bf16
-compute and quantized communication within their tolerances). Where torch's FSDP2 supports the case, it
+losses and full gradients and the final full parameters (and EMA averages) must agree (fp32: 1e-5, plus twice
+the reference's own distance from a float64 run where a drawn model amplifies rounding; bf16 compute and quantized
+communication within their tolerances). Where torch's FSDP2 supports the case, it
 trains too and must agree with fullshard to 1e-6. fullshard's last step must leave no tensor and no
 fullshard object in a reference cycle (memory only a garbage collection would give back). A failing
 case is shrunk (each feature switched off in turn while it still fails) and printed with its seed::
@@ -647,10 +648,10 @@ def loss_of(model: Net, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tenso
     run = model.predict if model.case.method else model
     if model.case.user == "penalty" and model.step % 2 == 0:
         x = x.clone().requires_grad_(True)
-        out = run(x).float()
+        out = run(x).to(y.dtype)
         (grad_x,) = torch.autograd.grad(out.square().sum(), x, create_graph=True)
         return F.mse_loss(out, y) + 0.05 * grad_x.square().sum()
-    return F.mse_loss(run(x).float(), y)
+    return F.mse_loss(run(x).to(y.dtype), y)  # float32 (float64 in reference(case, float64=True))
 
 
 class Optimizers:
@@ -1026,13 +1027,17 @@ class RefEMA:
                 self.avg[n].lerp_(p.detach(), 1 - self.decay)
 
 
-def reference(case: Case) -> Record:
-    model = build(case)
+def reference(case: Case, float64: bool = False) -> Record:
+    """The unsharded run; ``float64``: the same model and batches in float64 (complex parameters keep their dtype),
+    recorded in float32."""
+    model = build(case).double() if float64 else build(case)
+    dtype = torch.float64 if float64 else torch.float32
     record = Record()
     opt = make_optim(case, model, reference=True)
     sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.7) if case.scheduler else None
     ema = RefEMA(model, 0.8) if case.ema else None
-    run_steps(case, model, opt, sched, ema, batches(case, world_sizes(case)), range(case.steps), None, record, "reference")
+    data = [[[(x.to(dtype), y.to(dtype)) for x, y in micro] for micro in step] for step in batches(case, world_sizes(case))]
+    run_steps(case, model, opt, sched, ema, data, range(case.steps), None, record, "reference")
     record.params = {n: full(p) for n, p in model.named_parameters()}
     if ema is not None:
         record.ema = {n: v.clone() for n, v in ema.avg.items()}
@@ -1113,35 +1118,62 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((_real(a) - _real(b)).abs().max())
 
 
-def _close(value: torch.Tensor, expected: torch.Tensor, tol: dict[str, float]) -> bool:
+def _close(value: torch.Tensor, expected: torch.Tensor, tol: dict[str, float], slack: torch.Tensor | None = None) -> bool:
     """``allclose`` with ``tol``'s rtol and atol; ``scaled`` raises atol to that fraction of ``expected``'s largest
-    magnitude (reductions that round once per rank)."""
+    magnitude (reductions that round once per rank); ``slack`` adds to atol element by element."""
     value, expected = _real(value), _real(expected)
-    atol = tol["atol"]
+    atol: Any = tol["atol"]
     if "scaled" in tol and expected.numel():
         atol = max(atol, tol["scaled"] * float(expected.abs().max()))
-    return torch.allclose(value, expected, rtol=tol["rtol"], atol=atol)
+    if slack is not None:
+        atol = atol + _real(slack)
+    return value.shape == expected.shape and bool(((value - expected).abs() <= atol + tol["rtol"] * expected.abs()).all())
+
+
+def rounding_slack(case: Case, ref: Record) -> Record:
+    """Twice the fp32 reference's own distance from the same run in float64, element by element.
+
+    [Note: Ill-conditioned cases]
+    Some drawn models amplify rounding so much that the fp32 reference is itself far from exact arithmetic: a
+    block applied twice, each time through a LayerNorm over 3 features, trained with momentum over accumulated
+    micro-batches (seed 10574: at step 3 the reference's ``pre.weight`` gradient is 0.163 from the float64 run,
+    the sharded runs', which add the same terms in another order, 0.008 from the reference, fullshard's and
+    FSDP2's within 1e-6 of each other). A sharded run is as far from exact as the reference, so it may be twice
+    that far from the reference; where the reference is well conditioned (float64 within ~1e-7) this adds
+    nothing. Measured only for fp32 cases whose first comparison failed."""
+    exact = reference(case, float64=True)
+
+    def gap(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return 2 * (_real(a) - _real(b)).abs()
+
+    return Record(losses=[[float(v) for v in gap(torch.tensor(a), torch.tensor(b))] for a, b in zip(ref.losses, exact.losses)],
+                  grads=[{n: gap(g, e[n]) for n, g in grads.items() if n in e} for grads, e in zip(ref.grads, exact.grads)],
+                  params={n: gap(v, exact.params[n]) for n, v in ref.params.items() if n in exact.params},
+                  ema={n: gap(v, exact.ema[n]) for n, v in ref.ema.items() if n in exact.ema})
 
 
 def compare(ref: Record, rec: Record, steps: list[int], expected_losses: Any, what: str, tol: dict[str, float],
-            final: bool) -> str | None:
-    """The first difference between one rank's record and the reference (``None``: none)."""
+            final: bool, slack: Record | None = None) -> str | None:
+    """The first difference between one rank's record and the reference (``None``: none); ``slack``: see
+    :func:`rounding_slack` (its losses in ``expected_losses``' layout)."""
     for i, step in enumerate(steps):
         losses, expected = rec.losses[i], expected_losses(step)
-        if not _close(torch.tensor(losses), torch.tensor(expected), tol):
+        loss_slack = torch.tensor(expected_losses(step, slack.losses)) if slack else None
+        if not _close(torch.tensor(losses), torch.tensor(expected), tol, loss_slack):
             return f"{what}: step {step} losses {losses} vs {expected}"
         grads = ref.grads[step]
         if set(grads) != set(rec.grads[i]):
             return f"{what}: step {step} gradients of {sorted(set(grads) ^ set(rec.grads[i]))} missing on one side"
         for name, g in grads.items():
-            if not _close(rec.grads[i][name], g, tol):
+            if not _close(rec.grads[i][name], g, tol, slack.grads[step].get(name) if slack else None):
                 return f"{what}: step {step} gradient {name} differs by {_max_diff(rec.grads[i][name], g):.3g}"
     if final:
         for kind, ref_values, values in (("parameter", ref.params, rec.params), ("EMA", ref.ema, rec.ema)):
             for name, value in ref_values.items():
                 if name not in values:
                     return f"{what}: final {kind} {name} missing"
-                if not _close(values[name], value, tol):
+                extra = (slack.params if kind == "parameter" else slack.ema).get(name) if slack else None
+                if not _close(values[name], value, tol, extra):
                     return f"{what}: final {kind} {name} differs by {_max_diff(values[name], value):.3g}"
     return None
 
@@ -1218,6 +1250,8 @@ def judge(case: Case, records: dict[Key, list[Any]]) -> str | None:
             if failure is not None:
                 return failure
     sizes = world_sizes(case)
+    slack: Record | None = None  # measured on the first failure (fp32 cases only: bf16 has its own tolerances)
+    fp32 = case.mp == "none" and not case.quantized and case.optim != "muon"
     runs = [("fullshard", 0, "fullshard", list(range(1 if case.resume_ws else case.steps)))]
     if case.resume_ws:
         runs.append(("fullshard", 1, "fullshard resumed", list(range(1, case.steps))))
@@ -1230,13 +1264,17 @@ def judge(case: Case, records: dict[Key, list[Any]]) -> str | None:
             if rec.garbage:
                 return f"{what} rank {rank}: the last step left reference cycles holding {', '.join(rec.garbage)}"
 
-            def expected(step: int, rank: int = rank) -> list[float]:
-                micro = len(ref.losses[step]) // sizes[step]
-                return [ref.losses[step][m * sizes[step] + case.data_rank(rank)] for m in range(micro)]
+            def expected(step: int, losses: list[list[float]] | None = None, rank: int = rank) -> list[float]:
+                losses = ref.losses if losses is None else losses
+                micro = len(losses[step]) // sizes[step]
+                return [losses[step][m * sizes[step] + case.data_rank(rank)] for m in range(micro)]
 
             compared = [step for step in steps if step < case.compared_steps]
-            failure = compare(ref, rec, compared, expected, f"{what} rank {rank}", case.tolerance,
-                              final=(phase == 1 or not case.resume_ws) and case.compared_steps == case.steps)
+            final = (phase == 1 or not case.resume_ws) and case.compared_steps == case.steps
+            failure = compare(ref, rec, compared, expected, f"{what} rank {rank}", case.tolerance, final)
+            if failure is not None and fp32:  # [Note: Ill-conditioned cases]
+                slack = slack or rounding_slack(case, ref)
+                failure = compare(ref, rec, compared, expected, f"{what} rank {rank}", case.tolerance, final, slack)
             if failure is not None:
                 return failure
     return None
