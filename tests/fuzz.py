@@ -422,7 +422,7 @@ def _draw_more(case: Case) -> Case:
         change.update(extension=True, reshard="true" if case.reshard == "int" else case.reshard)
     # Muon in fp32 only: Newton-Schulz lifts a matrix's small singular values towards 1, so bf16 rounding in a
     # small matrix's gradient becomes an O(lr) difference in its update, whichever side rounded
-    if muon and not tp and case.resume_ws == 0 and not case.fsdp2_supported and case.mp == "none":
+    if muon and change.get("resume_ws", case.resume_ws) == 0 and not case.fsdp2_supported and case.mp == "none":
         change.update(optim="muon", scheduler=False)
     elif rng.random() < 0.15 and not case.fsdp2_supported and not case.zero_numel:
         # torch's Adafactor raises on FSDP2's parameters, and divides by zero on a zero-element one

@@ -152,6 +152,44 @@ def test_torch_muon_on_fullshard_parameters_steps_like_fullshard_muon() -> None:
     run_ranks(2, _torch_muon)
 
 
+def _tensor_parallel(rank: int, world_size: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tests.test_tensor_parallel import Net, batch, parallelize
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank = mesh["dp"].get_local_rank()
+    batches = random_batches(4, 2, batch)
+    torch.manual_seed(0)
+    ref = Net()
+    # full values with autograd history (full_tensor() of the parameters), as a load_state_dict may get them
+    start = {n: p * 1.0 for n, p in ref.named_parameters()}
+    ref_losses = _train(ref, Pair(ref, torch.optim.Muon), batches, None)
+    results = []
+    for muon in (fullshard.optim.Muon, torch.optim.Muon):
+        model = parallelize(Net(), mesh["dp"], mesh["tp"])
+        model.load_state_dict(start)
+        opt = Pair(model, muon)
+        losses = _train(model, opt, batches, dp_rank)
+        results.append((losses, full_params(model), opt))
+    (losses, params, _), (_, torch_params, torch_opt) = results
+    for step, (loss, ref_step) in enumerate(zip(losses, ref_losses)):
+        assert loss == pytest.approx(ref_step[dp_rank], rel=1e-3), step
+    for name, value in full_params(ref).items():
+        torch.testing.assert_close(params[name], value, msg=lambda m: f"{name}: {m}", **BF16_TOL)
+        # torch's class takes fullshard's step, not DTensor's sharded matrix products: the same bits
+        assert torch.equal(torch_params[name], params[name]), name
+    weight = model.blocks[0].in_proj.weight  # (_StridedShard(0), Shard(0)) on (dp, tp)
+    assert len([pl for pl in weight.placements if not pl.is_replicate()]) == 2
+    buf = torch_opt.muon.state[weight]["momentum_buffer"]
+    assert isinstance(buf, DTensor) and buf.placements == weight.placements
+
+
+def test_muon_under_tensor_parallel_orthogonalises_whole_matrices() -> None:
+    """Weights split over (dp, tp): gathered whole on every rank and orthogonalised there."""
+    run_ranks(4, _tensor_parallel)
+
+
 def test_owners_balance_newton_schulz_cost() -> None:
     shapes = [torch.Size(s) for s in [(1024, 1024), (1024, 4096), (4096, 1024), (1024, 1024), (64, 64)]]
     owner = owners(shapes, 2)

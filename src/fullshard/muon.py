@@ -22,6 +22,14 @@ are the columns each rank holds; the owner turns the stacked rows back into the 
 before Newton-Schulz (so the iterations are those of the unsharded matrix, square ones
 included) and sends each rank the rows of the result's transpose.
 
+A matrix split over two mesh axes (tensor parallel under FSDP, placements such as
+``(_StridedShard(0), Shard(0))`` or ``(Shard(0), Shard(1))``) has no one group whose rows
+stack into it: its bf16 update is gathered whole on every rank of its mesh
+(``full_tensor``), orthogonalised there, and each rank keeps its own part
+(``distribute_tensor`` without communication). Newton-Schulz then runs once per rank,
+not once per matrix, but on the whole matrix, so the step is the unsharded one (through
+DTensor the iterations would run as sharded matrix products with bf16 partial sums).
+
 Bytes on the wire per step: each matrix's bf16 rows travel to the owner and back, so
 about the fp32 gradient's size in all (at most 2x the matrices' gradient bytes), against
 ``world_size - 1`` shards of fp32 per rank for gathering everything everywhere.
@@ -34,7 +42,7 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 __all__ = ["Muon", "servable", "sharded_step"]
@@ -57,11 +65,6 @@ def _sharding(p: torch.Tensor) -> tuple[dist.ProcessGroup, int] | None:
     axes = [axis for axis, placement in enumerate(p.placements) if not placement.is_replicate()]
     if not axes:
         return None
-    if not _one_split(p):
-        raise NotImplementedError(
-            f"fullshard.optim.Muon orthogonalises matrices sharded on dim 0 or 1 over one mesh axis; got a parameter "
-            f"with placements {p.placements} (tensor parallel is not supported)"
-        )
     group = p.device_mesh.get_group(axes[0])
     return None if dist.get_world_size(group) == 1 else (group, cast(Shard, p.placements[axes[0]]).dim)
 
@@ -74,13 +77,14 @@ def _one_split(p: DTensor) -> bool:
 
 def servable(opt: torch.optim.Optimizer) -> bool:
     """Whether :func:`sharded_step` can run ``opt`` (torch's Muon): every parameter with a gradient plain, or a ``DTensor``
-    split over one mesh axis with its gradient placed alike (not tensor parallel's two axes)."""
+    split by ``Shard`` placements (no ``Partial``) with its gradient placed alike."""
     for group in opt.param_groups:
         for p in group["params"]:
             grad = p.grad
             if grad is None or (type(p) is not DTensor and type(grad) is not DTensor):
                 continue
-            if type(p) is not DTensor or type(grad) is not DTensor or grad._spec != p._spec or not _one_split(p):
+            if type(p) is not DTensor or type(grad) is not DTensor or grad._spec != p._spec or \
+                    any(pl.is_partial() for pl in p.placements):
                 return False
     return True
 
@@ -143,12 +147,13 @@ def _check(group: dict[str, Any], params: list[torch.Tensor]) -> None:
     """torch's refusals, made on every rank before any collective: Newton-Schulz runs on the owner rank only, so
     its own argument checks would fail there alone and leave the other ranks waiting in the all-to-all."""
     for p in params:
+        grad = cast(torch.Tensor, p.grad)  # params: those with a gradient
         if torch.is_complex(p):
             raise RuntimeError("Muon does not support complex parameters")
-        if p.grad.is_sparse:
+        if grad.is_sparse:
             raise RuntimeError("Muon does not support sparse gradients")
-        if p.grad.ndim != 2:  # a parameter added by add_param_group, which does not check
-            raise ValueError(f"Muon: every parameter's gradient must be a 2D matrix, got shape {tuple(p.grad.shape)}")
+        if grad.ndim != 2:  # a parameter added by add_param_group, which does not check
+            raise ValueError(f"Muon: every parameter's gradient must be a 2D matrix, got shape {tuple(grad.shape)}")
     if params and group["ns_steps"] >= 100:
         raise ValueError(f"Muon: ns_steps must be less than 100, got {group['ns_steps']}")
     if params and len(group["ns_coefficients"]) != 3:
@@ -161,6 +166,9 @@ def _orthogonalise(params: list[torch.Tensor], updates: list[torch.Tensor], ns: 
     by_group: dict[dist.ProcessGroup, list[int]] = {}
     columns: set[int] = set()  # split on dim 1: travel as their transpose (see the Note)
     for i, p in enumerate(params):
+        if isinstance(p, DTensor) and not _one_split(p):  # tensor parallel under FSDP: see the Note
+            results[i] = _orthogonalise_whole(p, updates[i], ns)
+            continue
         sharding = _sharding(p)
         if sharding is None:
             results[i] = _zeropower_via_newtonschulz(updates[i], *ns)
@@ -176,6 +184,15 @@ def _orthogonalise(params: list[torch.Tensor], updates: list[torch.Tensor], ns: 
         for i, rows in zip(indices, _orthogonalise_on(group, shapes, local, ns, transposed)):
             results[i] = rows.T if i in columns else rows
     return [r for r in results if r is not None]
+
+
+def _orthogonalise_whole(p: DTensor, update: torch.Tensor, ns: tuple[Any, ...]) -> torch.Tensor:
+    """This rank's part of the orthogonalised update of ``p``, a matrix split over several mesh axes, gathered whole
+    on every rank of its mesh (bf16: Newton-Schulz casts to it first) and orthogonalised there."""
+    mesh, placements = p.device_mesh, p.placements
+    whole = DTensor.from_local(update.to(torch.bfloat16), mesh, placements, run_check=False, shape=p.shape,
+                               stride=p.stride()).full_tensor()
+    return distribute_tensor(_zeropower_via_newtonschulz(whole, *ns), mesh, placements, src_data_rank=None).to_local()
 
 
 def _orthogonalise_on(

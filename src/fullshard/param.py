@@ -232,8 +232,9 @@ class TensorParallel:
         return cls(spec, concatenate_meshes(*meshes), tuple(placements), spmd.dp_axes)
 
     def local_of(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's TP piece of a full (global) tensor, cut locally (no communication)."""
-        return distribute_tensor(full, self.spec.mesh, self.spec.placements, src_data_rank=None).to_local()
+        """This rank's TP piece of a full (global) tensor, cut locally (no communication); ``full`` may be a value
+        with autograd history (distribute_tensor takes leaves only)."""
+        return distribute_tensor(full.detach(), self.spec.mesh, self.spec.placements, src_data_rank=None).to_local()
 
     def unsharded(self, local: torch.Tensor) -> DTensor:
         """``local`` (this rank's TP piece, any dtype) as a DTensor on the TP mesh."""
