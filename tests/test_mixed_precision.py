@@ -93,6 +93,95 @@ def test_casts_inputs_outputs_and_grads() -> None:
     run_ranks(2, _dtypes_seen)
 
 
+@dataclasses.dataclass
+class Hidden:
+    """A block's input and output: a plain dataclass (no pytree node)."""
+
+    h: torch.Tensor
+    extras: dict[str, torch.Tensor]
+    seen: torch.dtype | None = None
+
+
+@dataclasses.dataclass
+class HiddenWithNorm(Hidden):
+    """With a field the constructor does not take (FSDP2's cast raises ``ValueError`` on it)."""
+
+    norm: torch.Tensor = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.norm = self.h.detach().norm()
+
+
+class DataclassBlock(nn.Module):
+    def __init__(self, dim: int, kind: type[Hidden]) -> None:
+        super().__init__()
+        self.lin, self.kind = nn.Linear(dim, dim), kind
+
+    def forward(self, x: Hidden) -> Hidden:
+        h = torch.tanh(self.lin(x.h)) + x.extras["skip"]
+        return self.kind(h, {"skip": h * 0.5}, seen=x.h.dtype)
+
+
+class DataclassNet(nn.Module):
+    def __init__(self, kind: type[Hidden], dim: int = 6) -> None:
+        super().__init__()
+        self.kind = kind
+        self.blocks = nn.ModuleList(DataclassBlock(dim, kind) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.dtype | None]]:
+        hidden, seen = self.kind(x, {"skip": x}), []
+        for block in self.blocks:
+            hidden = block(hidden)
+            seen.append(hidden.seen)
+            assert hidden.h.dtype == hidden.extras["skip"].dtype == torch.float32
+            assert not isinstance(hidden, HiddenWithNorm) or hidden.norm.dtype == torch.float32
+        return hidden.h, seen
+
+
+def _train_dataclass_net(rank: int, shard: Any, policy: Any, kind: type[Hidden]) -> tuple[Any, ...]:
+    torch.manual_seed(0)
+    model = DataclassNet(kind)
+    for block in model.blocks:
+        shard(block, mp_policy=policy(param_dtype=BF16, reduce_dtype=torch.float32, output_dtype=torch.float32))
+    shard(model)
+    gen = torch.Generator().manual_seed(rank)
+    losses, seen = [], []
+    for _ in range(2):
+        out, seen = model(torch.randn(3, 6, generator=gen))
+        loss = out.square().mean()
+        loss.backward()
+        losses.append(loss.detach())
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.1 * p.grad
+        model.zero_grad()
+    return losses, seen, {n: p.full_tensor() for n, p in model.named_parameters()}
+
+
+def _dataclass_casts(rank: int, world_size: int) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    runs = [_train_dataclass_net(rank, fully_shard, MixedPrecisionPolicy, Hidden),
+            _train_dataclass_net(rank, torch_fully_shard, TorchPolicy, Hidden),
+            _train_dataclass_net(rank, fully_shard, MixedPrecisionPolicy, HiddenWithNorm)]
+    for losses, seen, params in runs[1:]:
+        assert seen == runs[0][1] == [BF16, BF16]  # each block's input cast to the compute dtype
+        assert all(torch.equal(a, b) for a, b in zip(losses, runs[0][0]))
+        for name, value in params.items():
+            assert torch.equal(runs[0][2][name], value), name
+    with pytest.raises(ValueError, match="init=False"):  # FSDP2 cannot rebuild it
+        _train_dataclass_net(rank, torch_fully_shard, TorchPolicy, HiddenWithNorm)
+
+
+def test_dataclass_inputs_and_outputs_are_cast_as_fsdp2_casts_them() -> None:
+    """A plain dataclass in and out of a block under a mixed-precision policy: its floating-point fields cast to
+    the compute dtype on the way in and to ``output_dtype`` on the way out, as FSDP2 does (fullshard passed it
+    through uncast: a dtype error in the block, or bf16 where fp32 was asked for); also with an ``init=False``
+    field, where FSDP2's cast raises."""
+    run_ranks(2, _dataclass_casts)
+
+
 def _all_gather_in_place(rank: int, world_size: int) -> None:
     calls: list[tuple[torch.Tensor, torch.Tensor]] = []
     original = dist.all_gather_single

@@ -57,7 +57,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from fullshard import failures
 from fullshard.collectives import CommStreams, profiled
@@ -586,7 +586,7 @@ class HookState:
     def _root_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The root moves its inputs to its device (a recomputation gets the inputs saved before the move)."""
         if self.is_root and self.device.type != "cpu":
-            return tree_map_only(torch.Tensor, lambda t: t.to(self.device, non_blocking=True), (args, kwargs))
+            return map_tensors(lambda t: t.to(self.device, non_blocking=True), (args, kwargs))
         return args, kwargs
 
     def _cast_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -787,6 +787,26 @@ def tensors_in(tree: Any) -> list[torch.Tensor]:
                 seen.add(id(leaf))
                 pending.extend(getattr(leaf, f.name) for f in dataclasses.fields(leaf))
     return found
+
+
+def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> Any:
+    """``tree`` with ``fn`` applied to every tensor in it (as :func:`tensors_in` finds them): pytree containers
+    rebuilt as pytree does, a plain dataclass as a new instance through ``dataclasses.replace`` (its
+    ``__post_init__`` runs again, as FSDP2's casts do) with its ``init=False`` fields set afterwards."""
+
+    def leaf(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return fn(x)
+        if not dataclasses.is_dataclass(x) or isinstance(x, type):
+            return x
+        fields = dataclasses.fields(x)
+        new = dataclasses.replace(x, **{f.name: map_tensors(fn, getattr(x, f.name)) for f in fields if f.init})
+        for f in fields:
+            if not f.init and hasattr(x, f.name):
+                object.__setattr__(new, f.name, map_tensors(fn, getattr(x, f.name)))
+        return new
+
+    return tree_map(leaf, tree)
 
 
 def _name_params(states: list[HookState], module_names: dict[nn.Module, str]) -> None:
@@ -994,4 +1014,4 @@ def _check_no_shared_originals(states: list[HookState]) -> None:
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
     cast: Callable[[torch.Tensor], torch.Tensor] = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
-    return tree_map_only(torch.Tensor, cast, tree)
+    return map_tensors(cast, tree)
