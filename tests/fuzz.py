@@ -81,7 +81,7 @@ class Case:
     # without sync that neither opens nor closes the step)
     list_group: bool = False  # blocks 0 and 1 as one group
     nested: bool = False  # block 0's linear sharded on its own inside block 0's group
-    container: bool = False  # blocks return (tensor, {"aux": tensor})
+    container: bool = False  # blocks return (tensor, {"aux": tensor}), or on odd seeds the same in a plain dataclass
     mixed_dtype: bool = False  # block 0's linear layer in float64 beside the group's fp32 parameters
     complex: bool = False  # block 0 multiplies its output by a complex64 gain (real and imaginary parts summed)
     mp: str = "none"  # none | bf16 | bf16_fp32_reduce
@@ -479,6 +479,14 @@ def _draw_controls(case: Case) -> Case:
 # ---- the model -------------------------------------------------------------------------------------
 
 
+@dataclass
+class BlockOut:
+    """A block's output as a plain dataclass (no pytree node): casts and backward hooks must find its tensors."""
+
+    h: torch.Tensor
+    extra: dict[str, torch.Tensor]
+
+
 class Block(nn.Module):
     def __init__(self, case: Case, index: int, d_in: int, d_out: int) -> None:
         super().__init__()
@@ -526,7 +534,9 @@ class Block(nn.Module):
             h = h * 1.0  # a result no backward saves (tanh saves its output), so it may change in place
             if self.case.user == "view_out":
                 h = h.view(-1).view(h.shape)
-        return (h, {"aux": h.mean()}) if self.case.container else h
+        if not self.case.container:
+            return h
+        return BlockOut(h, {"aux": h.mean()}) if self.case.seed % 2 else (h, {"aux": h.mean()})
 
 
 class Net(nn.Module):
@@ -580,7 +590,7 @@ class Net(nn.Module):
         else:
             out = block(h)
         if self.case.container:
-            out, extra = out
+            out, extra = (out.h, out.extra) if isinstance(out, BlockOut) else out
             aux = aux + extra["aux"]
         if self.case.user == "view_out":
             out.add_(0.05)
@@ -997,14 +1007,18 @@ def reference_bf16_backward(case: Case, model: Net, per_rank: list[Any], unreduc
     if hold:
         if not unreduced:
             unreduced.extend({} for _ in per_rank)
+        params = dict(model.named_parameters())
         for held, grads in zip(unreduced, per_rank_grads):
             for name, g in grads.items():
+                if beside_complex(case, name, params[name]):  # accumulated in the group's complex reduce dtype
+                    g = g.float()
                 held[name] = g if name not in held else held[name] + g
         if not last:
             return losses
         per_rank_grads = unreduced
     for name, p in model.named_parameters():
-        dtype = p.dtype if p.is_complex() else reduce_dtype  # complex gradients reduce in their own dtype
+        # complex gradients reduce in their own dtype, and so does every gradient of their group
+        dtype = p.dtype if p.is_complex() else torch.float32 if beside_complex(case, name, p) else reduce_dtype
         grads = [g[name].to(dtype) for g in per_rank_grads if name in g]
         if not grads:
             continue
@@ -1014,6 +1028,18 @@ def reference_bf16_backward(case: Case, model: Net, per_rank: list[Any], unreduc
         mean = (total / len(per_rank)).to(p.dtype)
         p.grad = mean if p.grad is None else p.grad + mean
     return losses
+
+
+def beside_complex(case: Case, name: str, p: torch.Tensor) -> bool:
+    """Whether real parameter ``name`` shares a fullshard group with the complex gain: that group reduces (and,
+    with a bf16 reduce dtype, accumulates over micro-batches without sync) in the complex dtype, so its real
+    gradients in fp32 precision ([Note: Complex and integer parameters] in group.py)."""
+    if not case.complex or p.is_complex():
+        return False
+    blocks = ("blocks.0.", "blocks.1.") if case.list_group and len(case.widths) > 2 else ("blocks.0.",)
+    if not name.startswith(blocks) or (case.nested and name.startswith("blocks.0.lin.")):
+        return False
+    return case.other_mesh == "none" or p.ndim == 1  # the gain is 1-D: with the 1-D parameters on their mesh
 
 
 class RefEMA:
