@@ -182,6 +182,18 @@ def test_dataclass_inputs_and_outputs_are_cast_as_fsdp2_casts_them() -> None:
     run_ranks(2, _dataclass_casts)
 
 
+def test_a_dataclass_is_rebuilt_only_when_a_cast_changes_it() -> None:
+    from fullshard.runtime import _cast_floats
+
+    x = HiddenWithNorm(torch.randn(2, 3), {"skip": torch.arange(3)})
+    same = _cast_floats([x], torch.float32)
+    assert same[0] is x  # nothing to cast: the caller's object, no __post_init__ run again
+    cast = _cast_floats({"hidden": x}, BF16)["hidden"]
+    assert type(cast) is HiddenWithNorm and cast is not x
+    assert cast.h.dtype == cast.norm.dtype == BF16 and cast.extras["skip"].dtype == torch.int64
+    assert x.h.dtype == x.norm.dtype == torch.float32  # the input left alone
+
+
 def _all_gather_in_place(rank: int, world_size: int) -> None:
     calls: list[tuple[torch.Tensor, torch.Tensor]] = []
     original = dist.all_gather_single

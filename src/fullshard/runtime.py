@@ -791,19 +791,24 @@ def tensors_in(tree: Any) -> list[torch.Tensor]:
 
 def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> Any:
     """``tree`` with ``fn`` applied to every tensor in it (as :func:`tensors_in` finds them): pytree containers
-    rebuilt as pytree does, a plain dataclass as a new instance through ``dataclasses.replace`` (its
-    ``__post_init__`` runs again, as FSDP2's casts do) with its ``init=False`` fields set afterwards."""
+    rebuilt as pytree does; a plain dataclass in which ``fn`` changed a tensor as a new instance through
+    ``dataclasses.replace`` (its ``__post_init__`` runs again, as in FSDP2's casts), its ``init=False`` fields
+    set afterwards, and one in which nothing changed kept as it is."""
 
     def leaf(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
             return fn(x)
         if not dataclasses.is_dataclass(x) or isinstance(x, type):
             return x
-        fields = dataclasses.fields(x)
-        new = dataclasses.replace(x, **{f.name: map_tensors(fn, getattr(x, f.name)) for f in fields if f.init})
+        fields = [f for f in dataclasses.fields(x) if hasattr(x, f.name)]
+        values = {f.name: getattr(x, f.name) for f in fields}
+        mapped = {name: map_tensors(fn, value) for name, value in values.items()}
+        if all(a is b for name in values for a, b in zip(tensors_in(values[name]), tensors_in(mapped[name]))):
+            return x
+        new = dataclasses.replace(x, **{f.name: mapped[f.name] for f in fields if f.init})
         for f in fields:
-            if not f.init and hasattr(x, f.name):
-                object.__setattr__(new, f.name, map_tensors(fn, getattr(x, f.name)))
+            if not f.init:
+                object.__setattr__(new, f.name, mapped[f.name])
         return new
 
     return tree_map(leaf, tree)
