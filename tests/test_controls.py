@@ -3,6 +3,7 @@ extra forward methods."""
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import pytest
@@ -134,6 +135,21 @@ def _forward_method(rank: int, world_size: int) -> None:
     plain = WithGenerate()
     register_fsdp_forward_method(plain, "generate")  # not sharded: nothing to do
     assert not isinstance(plain, FSDPModule)
+    # The instance's method is wrapped, as in FSDP2: one assigned to the module, or one it alone has.
+    torch.manual_seed(0)
+    wrapped_model = WithGenerate()
+    fully_shard(wrapped_model)
+    original = wrapped_model.generate
+    wrapped_model.generate = lambda x: original(x) + 10  # type: ignore[method-assign]
+    register_fsdp_forward_method(wrapped_model, "generate")
+    torch.testing.assert_close(wrapped_model.generate(x), ref.generate(x) + 10)
+    wrapped_model.logits = types.MethodType(lambda self, x: self.layers[0](x), wrapped_model)  # type: ignore[attr-defined]
+    register_fsdp_forward_method(wrapped_model, "logits")
+    logits = wrapped_model.logits(x)  # type: ignore[operator]
+    torch.testing.assert_close(logits, ref.layers[0](x))
+    logits.sum().backward()  # the root kept its parameters for backward, as in FSDP2
+    assert all(isinstance(p, DTensor) for p in wrapped_model.parameters())
+    assert wrapped_model.layers[0].weight.grad is not None
 
 
 def test_register_fsdp_forward_method() -> None:

@@ -893,12 +893,12 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         raise ValueError(f"{type(module)} does not have a method {method_name}")
     state = state_of(module)
     assert state is not None
-    method = getattr(type(module), method_name)
+    method = getattr(module, method_name)  # the instance's: a method assigned to the module is the one wrapped
 
     @functools.wraps(method)
     def wrapped(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = state._pre_forward_hook(self, args, kwargs)
-        out = method(self, *args, **kwargs)
+        out = method(*args, **kwargs)
         return state._post_forward_hook(self, args, out)
 
     module.__dict__[method_name] = types.MethodType(wrapped, module)
