@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import Replicate
 
 import fullshard
@@ -77,6 +78,9 @@ FULLY_SHARD: list[tuple[str, Callable[[nn.Module], Any], Kinds, str]] = [
     ("mp_policy integer dtype", lambda m: fully_shard(m, mp_policy=MixedPrecisionPolicy(param_dtype=torch.int8)),
      (ValueError, RuntimeError), "MixedPrecisionPolicy.param_dtype must be a floating-point torch.dtype or None, got "
      "torch.int8"),
+    ("mp_policy integer reduce dtype", lambda m: fully_shard(m, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.int64)),
+     (ValueError, TypeError), "MixedPrecisionPolicy.reduce_dtype must be a floating-point torch.dtype or None, got "
+     "torch.int64"),
     ("offload_policy", lambda m: fully_shard(m, offload_policy="cpu"), (TypeError, AttributeError),
      "offload_policy must be an OffloadPolicy, got str"),
     ("offload_policy class", lambda m: fully_shard(m, offload_policy=CPUOffloadPolicy), (TypeError, AttributeError),
@@ -107,10 +111,10 @@ CALLS: list[tuple[str, Callable[[], Any], Kinds, str]] = [
      "unshard_in_backward must be a bool"),
     ("set_gradient_divide_factor type", lambda: sharded().set_gradient_divide_factor("2"), TypeError,
      "set_gradient_divide_factor: factor must be a number, got str"),
-    ("set_gradient_divide_factor value", lambda: sharded().set_gradient_divide_factor(0), ValueError,
-     "factor must be a positive finite number, got 0"),
-    ("set_reduce_scatter_divide_factor", lambda: sharded().set_reduce_scatter_divide_factor(-2.0), ValueError,
-     "factor must be a positive finite number, got -2.0"),
+    ("set_gradient_divide_factor zero", lambda: sharded().set_gradient_divide_factor(0), (ValueError, ZeroDivisionError),
+     "set_gradient_divide_factor: factor must not be zero"),
+    ("set_reduce_scatter_divide_factor", lambda: sharded().set_reduce_scatter_divide_factor(float("inf")), ValueError,
+     "factor must be a finite number, got inf"),
     ("set_all_reduce_hook", lambda: sharded().set_all_reduce_hook(3), TypeError, "hook must be callable, got int"),
     ("set_post_optim_event", lambda: sharded().set_post_optim_event(3), TypeError,
      "event must be a torch.Event .*, got int"),
@@ -121,7 +125,7 @@ CALLS: list[tuple[str, Callable[[], Any], Kinds, str]] = [
     ("set_force_sum_reduction_for_comms", lambda: sharded().set_force_sum_reduction_for_comms("x"), TypeError,
      "enable must be a bool"),
     ("set_modules_to_forward_prefetch", lambda: sharded().set_modules_to_forward_prefetch([nn.Linear(2, 2)]), ValueError,
-     "expected modules passed to fully_shard, got Linear"),
+     "Expects FSDPModule but got Linear: expected modules passed to fully_shard"),
     ("set_modules_to_backward_prefetch", lambda: sharded().set_modules_to_backward_prefetch(3), TypeError,
      "expected a list of modules passed to fully_shard, got int"),
     ("unshard", lambda: sharded().unshard(async_op="x"), TypeError, "unshard: async_op must be a bool, got str"),
@@ -172,7 +176,10 @@ CALLS: list[tuple[str, Callable[[], Any], Kinds, str]] = [
     ("register_fsdp_forward_method", lambda: fullshard.register_fsdp_forward_method(sharded(), "nope"), ValueError,
      "does not have a method nope"),
     ("share_comm_ctx", lambda: fullshard.share_comm_ctx([nn.Linear(2, 2)]), ValueError,
-     "expected modules passed to fully_shard, got Linear"),
+     "Expects FSDPModule but got Linear"),
+    ("fully_shard over torch's FSDP1", lambda: fully_shard(nn.Sequential(FullyShardedDataParallel(
+        nn.Linear(2, 2), device_id=torch.device("cpu")))), (ValueError, TypeError),
+     r"fully_shard got a Sequential and its submodule '0' is wrapped by torch's FSDP1 \(FullyShardedDataParallel\)"),
     ("comm_policy", lambda: fully_shard(nn.Linear(2, 2), comm_policy=3), TypeError,
      "comm_policy must be a QuantizedCommPolicy or None, got int"),
     ("optim.Muon lr", lambda: fs_optim.Muon(sharded().parameters(), lr=-1.0), ValueError, "Learning rate should be >= 0"),

@@ -93,6 +93,7 @@ def _grads(rank: int, world_size: int, reduce_dtype: torch.dtype, hsdp: bool, fa
 
 CASES = [  # world size, HSDP, custom factor
     (2, False, None), (2, False, 3.0), (4, False, None), (4, False, 6.0), (4, True, None), (4, True, 8.0),
+    (2, False, -3.0),  # a negative factor flips the gradients' sign, as in FSDP2
 ]
 
 

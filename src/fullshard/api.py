@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.fsdp import UnshardHandle as _TorchUnshardHandle
 from torch.distributed.tensor import DTensor, Shard
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -28,7 +29,7 @@ from fullshard.errors import (
     UnsupportedError,
     UsageError,
     expect_bool,
-    expect_positive,
+    expect_divisor,
 )
 from fullshard.group import ParamGroup, ShardedState, group_of
 from fullshard.layout import ParamLayout
@@ -283,6 +284,14 @@ def _validate_modules(module: nn.Module | list[nn.Module]) -> list[nn.Module]:
             raise ValueError(
                 f"fully_shard does not support containers that do not implement forward: {type(mod).__name__}; "
                 "shard the modules inside it, or pass them as a list"
+            )
+        wrapped = next((name for name, sub in mod.named_modules() if isinstance(sub, FullyShardedDataParallel)), None)
+        if wrapped is not None:
+            where = f"its submodule {wrapped!r}" if wrapped else "it"
+            raise ShardedElsewhereError(
+                f"fully_shard got a {type(mod).__name__} and {where} is wrapped by torch's FSDP1 "
+                "(FullyShardedDataParallel), whose flat parameters cannot be sharded again: pass the unwrapped module "
+                "(fullshard.shard_model gives FSDP1's wrapping policies on fully_shard)"
             )
         if state_of(mod) is not None:
             raise AlreadyShardedError(
@@ -681,7 +690,7 @@ class FSDPModule:
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide the summed gradients by ``factor`` instead of the data-parallel world size."""
-        value = expect_positive("set_gradient_divide_factor", "factor", factor)
+        value = expect_divisor("set_gradient_divide_factor", "factor", factor)
         for settings in _reduce_settings(self._as_module(), recurse=False):
             settings.divide_factor = value
 
@@ -871,7 +880,7 @@ def _states_of(modules: list[FSDPModule]) -> list[HookState]:
     for mod in modules:
         state = state_of(mod)
         if state is None:
-            raise ValueError(f"expected modules passed to fully_shard, got {type(mod).__name__}")
+            raise ValueError(f"Expects FSDPModule but got {type(mod).__name__}: expected modules passed to fully_shard")
         states.append(state)
     return states
 

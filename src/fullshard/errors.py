@@ -41,6 +41,14 @@ class DtypeError(ValueError, RuntimeError):
     """A policy dtype that is not a floating-point dtype (FSDP2 fails with ``RuntimeError`` at the first forward)."""
 
 
+class ZeroDivisorError(ValueError, ZeroDivisionError):
+    """A gradient divide factor of zero (FSDP2 raises ``ZeroDivisionError`` when it reduces)."""
+
+
+class ReduceDtypeError(DtypeError, TypeError):
+    """A ``reduce_dtype`` that is not a floating-point dtype (FSDP2 fails with ``TypeError`` at the first reduction)."""
+
+
 class ShardedElsewhereError(ValueError, TypeError):
     """``fully_shard`` on a module whose parameter another call has sharded already, e.g. a child after its parent
     (FSDP2 raises ``TypeError``)."""
@@ -53,12 +61,15 @@ def expect_bool(where: str, name: str, value: object) -> bool:
     return value
 
 
-def expect_positive(where: str, name: str, value: object) -> float:
-    """``value`` as a float when it is a positive finite number; else ``TypeError`` / ``ValueError`` naming it."""
+def expect_divisor(where: str, name: str, value: object) -> float:
+    """``value`` as a float when it is a finite nonzero number (negative ones flip the sign, as in FSDP2); else
+    ``TypeError`` / ``ValueError`` naming it, a ``ZeroDivisionError`` too for zero (FSDP2's, at the reduction)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"{where}: {name} must be a number, got {type(value).__name__}")
-    if not 0 < value < float("inf"):
-        raise ValueError(f"{where}: {name} must be a positive finite number, got {value}")
+    if value == 0:
+        raise ZeroDivisorError(f"{where}: {name} must not be zero")
+    if not abs(value) < float("inf"):
+        raise ValueError(f"{where}: {name} must be a finite number, got {value}")
     return float(value)
 
 

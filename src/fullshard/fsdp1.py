@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from fullshard.collectives import reduce_scatter_single
-from fullshard.errors import expect_module
+from fullshard.errors import UnsupportedError, UsageError, expect_module
 from fullshard.optim import flat_runs
 from fullshard.param import sharded_axes
 from fullshard.runtime import TrainingState, states_in, take_over_changes
@@ -44,17 +44,17 @@ def summon_full_params(
     """
     expect_module("summon_full_params", model)
     if rank0_only and writeback:
-        raise ValueError(
+        raise UnsupportedError(
             "summon_full_params: rank0_only=True and writeback=True cannot be combined (ranks other than 0 "
             "have no full parameters to write back); pass writeback=False"
         )
     states = states_in(model)
     busy = [s.label for s in states if s.training_state is not TrainingState.IDLE]
     if busy or any(s.ctx is not None and s.ctx.end_of_backward_queued for s in states):
-        raise ValueError(f"summon_full_params cannot run inside forward or backward (busy: {busy or 'backward'})")
+        raise UsageError(f"summon_full_params cannot run inside forward or backward (busy: {busy or 'backward'})")
     groups = [g for s in states for g in s.groups]
     if any(g.summoned for g in groups):
-        raise ValueError("summon_full_params cannot be nested")
+        raise UsageError("summon_full_params cannot be nested")
     for state in states:  # outermost first: a root takes over what was assigned since fully_shard
         if state.ctx is None:
             state.lazy_init()

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed import fsdp as torch_fsdp
 
-from fullshard.errors import ArgumentTypeError, DtypeError
+from fullshard.errors import ArgumentTypeError, DtypeError, ReduceDtypeError
 
 # torch's classes, bound before fullshard.use_as_fsdp2() can point torch's names at the classes below.
 _TORCH_MIXED_PRECISION = torch_fsdp.MixedPrecisionPolicy
@@ -67,7 +67,8 @@ def validate_mp_policy(policy: object) -> MixedPrecisionPolicy:
     for field in ("param_dtype", "reduce_dtype", "output_dtype"):
         dtype = getattr(policy, field)
         if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
-            raise DtypeError(f"MixedPrecisionPolicy.{field} must be a floating-point torch.dtype or None, got {dtype!r}")
+            kind = ReduceDtypeError if field == "reduce_dtype" else DtypeError
+            raise kind(f"MixedPrecisionPolicy.{field} must be a floating-point torch.dtype or None, got {dtype!r}")
     return policy
 
 
