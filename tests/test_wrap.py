@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchModuleWrapPolicy
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+import fullshard
 from fullshard import (
     BackwardPrefetch,
     CPUOffload,
@@ -175,6 +176,14 @@ def _mp_and_offload(rank: int, world_size: int) -> None:
     loss = lm_loss(model, random_batches(1, world_size, token_batch)[0][rank])
     loss.backward()
     assert all(isinstance(p.grad, DTensor) and p.grad.dtype == torch.float32 for p in model.parameters())
+    # State dicts give the buffer in its own dtype, as FSDP1's do; loading one casts it back to buffer_dtype.
+    state = model.state_dict()
+    assert state["scale"].dtype == torch.float32 and model.scale.dtype == torch.bfloat16
+    full = fullshard.full_state_dict(model, rank0_only=False)
+    assert full["scale"].dtype == torch.float32
+    state["scale"] = torch.full((3,), 1.5)
+    model.load_state_dict(state)
+    assert model.scale.dtype == torch.bfloat16 and torch.equal(model.scale, torch.full((3,), 1.5, dtype=torch.bfloat16))
 
 
 def test_fsdp1_mixed_precision_and_offload() -> None:

@@ -19,10 +19,12 @@ Strategies:
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -230,10 +232,7 @@ def shard_model(
     shard_modules(model, lambda: mesh_info, reshard_after_forward=None if reshard else reshard,
                   mp_policy=_mp_policy(mixed_precision, root=True), **common)
     if mixed_precision is not None and mixed_precision.buffer_dtype is not None:
-        for module in model.modules():
-            for buf_name, buf in module.named_buffers(recurse=False):
-                if buf.is_floating_point():
-                    module._buffers[buf_name] = buf.to(mixed_precision.buffer_dtype)
+        _cast_buffers(model, mixed_precision.buffer_dtype)
     root = state_of(model)
     assert root is not None
     ctx = root.lazy_init()
@@ -247,3 +246,24 @@ def shard_model(
         backward=1 if limit_all_gathers else len(ctx.states),
     )
     return model
+
+
+def _cast_buffers(model: nn.Module, dtype: torch.dtype) -> None:
+    """Cast the floating-point buffers to ``dtype`` for training; state dicts give them in their own dtypes, as
+    FSDP1's do (values rounded through ``dtype``), and loading one casts back through ``load_state_dict``'s copy."""
+    for module in model.modules():
+        original = {}
+        for buf_name, buf in module.named_buffers(recurse=False):
+            if buf.is_floating_point() and buf.dtype != dtype:
+                original[buf_name] = buf.dtype
+                module._buffers[buf_name] = buf.to(dtype)
+        if original:
+            module.register_state_dict_post_hook(functools.partial(_buffers_in_own_dtypes, original))
+
+
+def _buffers_in_own_dtypes(original: dict[str, torch.dtype], module: nn.Module, state_dict: dict[str, Any],
+                           prefix: str, local_metadata: Any) -> None:
+    for buf_name, dtype in original.items():
+        key = prefix + buf_name
+        if key in state_dict:
+            state_dict[key] = state_dict[key].to(dtype)
