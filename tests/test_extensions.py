@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from fullshard import fully_shard
 from tests.harness import run_ranks
 from tests.models import Transformer, lm_loss, mse_loss
-from tests.parity import regression_batch, run_parity, token_batch
+from tests.parity import random_batches, regression_batch, run_parity, token_batch
 from tests.wrapper_weight import WrapperWeight
 
 
@@ -68,6 +68,53 @@ def _custom_comms(rank: int, world_size: int) -> None:
 
 def test_custom_all_gather_and_reduce_scatter() -> None:
     run_ranks(2, _custom_comms)
+
+
+class AveragingReduceScatter(CountingAllocations, ReduceScatter):
+    """Averages whatever ``op`` says (a comm written for FSDP2's ``AVG``), and records the ops it was given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
+                 async_op: bool = False) -> Any:
+        self.ops.append(str(op))
+        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=dist.ReduceOp.AVG, group=group,
+                                          async_op=async_op)
+
+
+def _custom_reduce_scatter_ops(rank: int, world_size: int, reduce_dtype: torch.dtype | None) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import fullshard
+
+    runs = []
+    for shard, policy in ((fully_shard, fullshard.MixedPrecisionPolicy), (torch_fully_shard, TorchPolicy)):
+        torch.manual_seed(0)
+        model = Transformer()
+        mp = policy(param_dtype=reduce_dtype, reduce_dtype=reduce_dtype)
+        for block in model.blocks:
+            shard(block, mp_policy=mp)
+        shard(model, mp_policy=mp)
+        comm = AveragingReduceScatter()
+        for block in model.blocks:
+            block.set_custom_reduce_scatter(comm)
+        for step_batches in random_batches(2, world_size, token_batch):
+            lm_loss(model, step_batches[rank]).backward()
+        runs.append((comm.ops, [p.grad.to_local() for p in model.parameters()]))
+    (ours, our_grads), (theirs, their_grads) = runs
+    assert ours == theirs and len(ours) == 2 * len(model.blocks), (ours, theirs)
+    for mine, other in zip(our_grads, their_grads, strict=True):
+        torch.testing.assert_close(mine, other, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("reduce_dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_custom_reduce_scatter_gets_the_op_fsdp2_gives(reduce_dtype: torch.dtype | None) -> None:
+    """The comm gets FSDP2's op (``AVG``) and fullshard does not divide again: a comm that averages regardless
+    gives FSDP2's gradients bit for bit."""
+    run_ranks(2, _custom_reduce_scatter_ops, reduce_dtype)
 
 
 # ---- tensor-subclass all-gather hooks -------------------------------------------------------------------

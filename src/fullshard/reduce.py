@@ -5,7 +5,8 @@ After a group's backward its unsharded gradients are packed rank-major into one
 reduce-scatter input (copy-in, compute stream) and dropped. One reduce-scatter
 sums them over the shard ranks; with HSDP one all-reduce then sums the result
 over the replicas. The sum is divided once, at the end, by the data-parallel
-size (or ``ReduceSettings.divide_factor``); on NCCL, when the factor is the
+size (or ``ReduceSettings.divide_factor``); on NCCL, and wherever a custom
+reduce-scatter runs (it gets the op FSDP2 gives it), when the factor is the
 data-parallel size and sum-only reductions are not forced, the collectives
 average instead (``ReduceOp.AVG``). fp16 is the exception: the division is
 split into a power of two before the sum and the rest after (``split_division``),
@@ -326,7 +327,8 @@ class GradReducer:
             # gradients these then equal bit for bit.
             before, after = split_division(total)
             return dist.ReduceOp.SUM, before, after
-        if self._nccl and not settings.force_sum_reduction and total == dp_size:
+        averages = self._nccl or settings.custom_comm is not None
+        if averages and not settings.force_sum_reduction and total == dp_size:
             return dist.ReduceOp.AVG, 1.0, 1.0
         return dist.ReduceOp.SUM, 1.0, total
 
