@@ -267,6 +267,30 @@ def test_a_slow_rank_is_not_a_divergence() -> None:
     assert all(len(losses) == 3 for losses in results), results
 
 
+def _timeout_raised_later(rank: int, world_size: int) -> list[float]:
+    model = sharded_blocks(1.5)  # the checks' own backends are built under this timeout at the first forward
+    x = torch.randn(4, 8) + rank
+    losses = []
+    for step in range(2):
+        if step == 1:
+            fullshard.set_collective_timeout(30)
+            with torch.no_grad():
+                model(x, [0, 1, 2])  # evaluation: its check runs at the next forward
+            if rank == 0:
+                time.sleep(3)  # e.g. writing a report on rank 0 alone: longer than the first timeout only
+        loss = model(x, [0, 1, 2]).sum()
+        loss.backward()
+        losses.append(loss.item())
+    return losses
+
+
+def test_a_timeout_raised_after_the_first_forward_holds() -> None:
+    """``set_collective_timeout`` applies to the divergence checks' backends built before it too (they kept
+    the first timeout, so the late rank's peer raised ``RankFailureError`` after 1.5 s)."""
+    results = run_ranks(2, _timeout_raised_later, timeout=120)
+    assert all(len(losses) == 2 for losses in results), results
+
+
 def _sync_on_one_rank(rank: int, world_size: int, before: list[bool]) -> tuple[str, str]:
     model = sharded_blocks(30)
     x = torch.randn(4, 8)

@@ -124,13 +124,16 @@ class RankFailureError(RuntimeError):
 
 
 def set_collective_timeout(seconds: float) -> None:
-    """How long a rank waits for a fullshard collective on the host (gloo) before raising ``RankFailureError``."""
+    """How long a rank waits for a fullshard collective on the host (gloo) before raising ``RankFailureError``;
+    may change at any time (waits and divergence checks from then on take it)."""
     if isinstance(seconds, bool) or not isinstance(seconds, int | float):
         raise TypeError(f"set_collective_timeout: seconds must be a number, got {type(seconds).__name__}")
     if not seconds > 0:
         raise ValueError(f"set_collective_timeout: seconds must be positive, got {seconds}")
     global _timeout_s
     _timeout_s = float(seconds)
+    for monitor in list(_heartbeat._monitors):  # check backends built under the old timeout take the new one
+        monitor.set_timeout(_timeout_s)
 
 
 def collective_timeout() -> float:
@@ -220,6 +223,11 @@ class Monitor:
         backend = dist.ProcessGroupGloo(dist.PrefixStore(key + "pg/", self.store), ranks.index(dist.get_rank()),
                                         len(ranks), datetime.timedelta(seconds=_timeout_s))
         return Track(ranks, group, backend, dist.get_backend(group) == "gloo", key)
+
+    def set_timeout(self, seconds: float) -> None:
+        """The check backends' own timeout, for the operations they issue from now on."""
+        for track in {t for t in self.tracks.values() if t is not None}:
+            track.backend.set_timeout(datetime.timedelta(seconds=seconds))
 
     def close(self) -> None:
         """Drop the check backends (this root was replaced by an enclosing one, or the process group is going)."""
