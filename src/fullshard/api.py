@@ -227,6 +227,7 @@ def shard_modules(
             mp_policy.param_dtype, reduce_dtype, streams,
             offload_to_cpu=isinstance(offload_policy, CPUOffloadPolicy),
             pin_memory=isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory,
+            reduce_on_wire_only=comm_policy is not None,
         )
         made.label = type(modules[0]).__name__
         made.codecs = make_codecs(made, comm_policy, mp_policy)

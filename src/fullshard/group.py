@@ -105,6 +105,7 @@ class ParamGroup:
         streams: CommStreams,
         offload_to_cpu: bool = False,
         pin_memory: bool = False,
+        reduce_on_wire_only: bool = False,
     ) -> None:
         self.params = params
         self.mesh_info = mesh_info
@@ -118,6 +119,7 @@ class ParamGroup:
         if self.mixed:
             orig_dtype = promoted_dtype([p.orig_dtype for p in params])
         self._policy_dtypes = (compute_dtype, reduce_dtype)
+        self.reduce_on_wire_only = reduce_on_wire_only
         self._set_dtypes(orig_dtype)
         self._pending_all_gather: PendingCollective | None = None
         self._pending_layout = self.layout  # the layout the in-flight all-gather's output has
@@ -198,6 +200,10 @@ class ParamGroup:
         self.compute_dtype = policy_compute if policy_compute is not None and casts else orig_dtype
         complex_dtypes = [p.orig_dtype for p in self.params if p.orig_dtype.is_complex]
         self.reduce_dtype = promoted_dtype([policy_reduce or self.compute_dtype, *complex_dtypes])
+        # Backwards without sync sum the unsharded gradients in the reduce dtype, as FSDP2 does; a reduce dtype
+        # that is only the wire's (QuantizedCommPolicy) never sums them in less than the compute dtype.
+        self.accumulate_dtype = (promoted_dtype([self.compute_dtype, self.reduce_dtype]) if self.reduce_on_wire_only
+                                 else self.reduce_dtype)
 
     def param_compute_dtype(self, p: ShardedParam) -> torch.dtype:
         """The dtype ``p`` is all-gathered and computed in."""

@@ -204,6 +204,9 @@ class ReduceGroup(Protocol):
     @property
     def reduce_dtype(self) -> torch.dtype: ...
 
+    @property
+    def accumulate_dtype(self) -> torch.dtype: ...  # where backwards without sync sum the unsharded gradients
+
     def param_compute_dtype(self, p: ShardedParam) -> torch.dtype: ...
 
     @property
@@ -276,22 +279,23 @@ class GradReducer:
         """A backward without gradient sync: keep the unsharded gradients for a later synced one.
 
         Autograd already sums into ``unsharded.grad`` across backwards; only when
-        the reduce dtype differs from the compute dtype are they moved into a
-        reduce-dtype accumulator, so the sum does not lose precision. A tensor-parallel
+        the group's accumulation dtype (its reduce dtype, as in FSDP2, unless that is
+        only the wire's) differs from the compute dtype are they moved into an
+        accumulator of that dtype (fp32 beside bf16 compute). A tensor-parallel
         gradient is kept as autograd gives it, partial sums over the TP axes included:
         those are reduced once, in the reduce dtype, when the group is (as FSDP2 does;
         reducing each micro-batch's first would round them in the compute dtype).
         """
         group = self.group
         self._unreduced_backward = True
-        if group.reduce_dtype == group.compute_dtype:
+        if group.accumulate_dtype == group.compute_dtype:
             return
         for p in group.params:
             grad = p.unsharded_grad()
             if grad is None:
                 continue
             if p.accumulated_grad is None:
-                p.accumulated_grad = grad.to(group.reduce_dtype)
+                p.accumulated_grad = grad.to(group.accumulate_dtype)
             else:
                 p.accumulated_grad.add_(grad)
             p.unsharded.grad = None
