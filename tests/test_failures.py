@@ -132,6 +132,44 @@ def test_diverged_ranks_raise_the_same_error(case: str) -> None:
     assert all(seconds < 10 for _, _, seconds in results), results
 
 
+class DataError(Exception):
+    pass
+
+
+def _abandoned_backward(rank: int, world_size: int) -> tuple[str, str, float]:
+    """Rank 1's backward raises in a hook; it catches that and goes on to the next step, while rank 0 waits in
+    the reduce-scatter rank 1 never issued (gloo's reduce-scatter ignores the wait timeout, so rank 0 cannot
+    look; rank 1's end check reads rank 0's posted wait)."""
+    model = sharded_blocks(30)
+    x = torch.randn(4, 8)
+    start = time.monotonic()
+    fail = {"now": False}
+
+    def raise_in_backward(module: torch.nn.Module, args: Any, out: torch.Tensor) -> None:
+        if fail["now"]:  # after blocks.2's reduce-scatter went out, before blocks.1's
+            out.register_hook(lambda grad: (_ for _ in ()).throw(DataError("bad batch")))
+
+    model.blocks[1].register_forward_hook(raise_in_backward)
+    for step in range(3):
+        fail["now"] = rank == 1 and step == 1
+        try:
+            # rank 1's next forward begins with the end check of the abandoned iteration
+            model(x, [0, 1, 2]).sum().backward()
+        except DataError:
+            continue
+        except fullshard.DivergenceError as err:
+            return type(err).__name__, str(err), time.monotonic() - start
+    return "no error", "", time.monotonic() - start
+
+
+def test_a_rank_that_abandons_a_backward_is_a_divergence() -> None:
+    results = run_ranks(2, _abandoned_backward, timeout=90)
+    assert [kind for kind, _, _ in results] == ["DivergenceError", "DivergenceError"], results
+    assert results[0][1] == results[1][1]
+    assert "rank 1 finished its iteration after" in results[0][1] and "while rank 0 waits in #" in results[0][1]
+    assert all(seconds < 15 for _, _, seconds in results), results
+
+
 class Uneven(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

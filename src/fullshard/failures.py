@@ -81,7 +81,10 @@ and track, the check's number and its collective count; a long wait posts
 which collective it waits in (removed when the wait ends). When a peer
 finished the same segment with fewer collectives, or waits in another
 collective at the same place, the rank posts the verdict and raises; the peer
-reads it in its own wait. The store therefore holds a fixed number of keys
+reads it in its own wait. A rank waiting in an end check raises the same way
+when a peer waits in a collective past the end of its segment (it abandoned a
+backward by catching its exception, say): that peer may be blocked in gloo's
+reduce-scatter, which cannot look, and the heartbeat posts its wait for it. The store therefore holds a fixed number of keys
 per rank for the whole job: the heartbeat, and per track the last end check
 and the wait in progress.
 """
@@ -392,9 +395,11 @@ class Monitor:
         if self.store is None:
             return set()
         self.publish_wait(ticket)
-        if ticket.kind == "end":
-            return set()
         track, index, store, me = ticket.track, ticket.index, self.store, dist.get_rank()
+        if ticket.kind == "end":
+            if index >= 0:  # this rank ended its segment: a peer waiting in a later collective of it diverged
+                self._peer_past_end(track, index)
+            return set()
         mine = track.entries[index]
         found: set[tuple[int, str]] = set()
         for rank in track.ranks:
@@ -420,6 +425,20 @@ class Monitor:
             peer, where = min(agreed)
             self._raise(f"rank {me} waits in collective #{index + 1}, {mine}, while rank {peer} waits in {where}")
         return found
+
+    def _peer_past_end(self, track: Track, count: int) -> None:
+        """Raise when a peer waits in collective ``count`` or later of the segment this rank ended with ``count``
+        (e.g. this rank abandoned a backward by catching its exception; the peer, blocked in a reduce-scatter,
+        cannot look itself: its wait was posted for it)."""
+        me = dist.get_rank()
+        for rank in track.ranks:
+            waiting_key = f"{track.key}wait/{rank}"
+            if rank == me or not self.store.check([waiting_key]):
+                continue
+            checks_text, index_text, entry = self.store.get(waiting_key).decode().split(" ", 2)
+            if int(checks_text) == track.checks and int(index_text) >= count:
+                self._raise(f"rank {me} finished its iteration after {count} collectives, while rank {rank} waits "
+                            f"in #{int(index_text) + 1}, {entry}")
 
     def _raise(self, what: str) -> None:
         raise self.diverged(
