@@ -520,3 +520,33 @@ def _same_tensor_twice(rank: int, world_size: int) -> None:
 def test_same_input_tensor_twice_stays_one_tensor() -> None:
     """A module given one tensor twice sees one tensor, as unwrapped (FSDP2 hands it two)."""
     run_ranks(2, _same_tensor_twice)
+
+
+# ---- forward-mode AD through the sharded model (torch.func.jvp) --------------------------------------------
+
+
+def jvp_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], tangent_only: bool = False) -> torch.Tensor:
+    """A consistency-model-style loss: the output and its derivative along the input direction ``v``."""
+    x, y = batch
+    out, tangent = torch.func.jvp(model, (x,), (torch.ones_like(x) / 4,))
+    if tangent_only:
+        return tangent.pow(2).mean()
+    return torch.nn.functional.mse_loss(out, y) + tangent.pow(2).mean()
+
+
+def _jvp(rank: int, world_size: int, reshard_after_forward: bool, tangent_only: bool) -> None:
+    def shard(model: nn.Module) -> None:
+        for layer in model.layers:
+            fully_shard(layer, reshard_after_forward=reshard_after_forward)
+        fully_shard(model, reshard_after_forward=reshard_after_forward)
+
+    _, model = run_parity(rank, world_size, MLP, shard, regression_batch,
+                          functools.partial(jvp_loss, tangent_only=tangent_only), steps=3)
+    assert_all_sharded(model)
+
+
+@pytest.mark.parametrize("reshard_after_forward,tangent_only", [(True, False), (False, False), (True, True)])
+def test_jvp_through_the_sharded_model(reshard_after_forward: bool, tangent_only: bool) -> None:
+    """torch.func.jvp from the first forward on: the groups all-gather again for backward on the primal's and
+    the tangent's paths ([Note: torch.func transforms]); parity with the unsharded model."""
+    run_ranks(2, _jvp, reshard_after_forward, tangent_only)

@@ -44,6 +44,7 @@ drops unreduced gradients and reshards everything, so training can continue.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import warnings
@@ -365,6 +366,45 @@ class _PostBackward(torch.autograd.Function):
         return (None, *grads)
 
 
+# [Note: torch.func transforms]
+# Inside torch.func.jvp (forward-mode AD through the model, as consistency models train) the
+# module sees functorch's wrapped tensors, and its outputs report requires_grad=False there
+# although autograd records them for the backward that follows outside the transform. So the
+# hooks' own work (lazy init, all-gathers, resharding) runs with functorch paused, on the
+# plain tensors; each floating-point output passes through _PreBackward, whose backward runs
+# the group's pre-backward (all-gathering it again) where a gradient hook could not be
+# registered, on the primal's path and, through its jvp, on the tangent's; and the inputs do
+# not pass through _PostBackward, so every group is reduced at the end of the backward, once
+# both paths have added their gradients.
+
+
+class _PreBackward(torch.autograd.Function):
+    """Identity on a module call's output under torch.func transforms; its backward runs the pre-backward
+    hook ([Note: torch.func transforms])."""
+
+    @staticmethod
+    def forward(state: HookState, output: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return output.detach()
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.state = inputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:  # type: ignore[override]
+        ctx.state._pre_backward_hook(grad)
+        return None, grad
+
+    @staticmethod
+    def jvp(ctx: Any, state_tangent: Any, tangent: torch.Tensor | None) -> torch.Tensor | None:
+        return None if tangent is None else _PreBackward.apply(ctx.state, tangent)
+
+
+def _outside_functorch(transformed: bool) -> Any:
+    """A context pausing torch.func's transforms when ``transformed`` ([Note: torch.func transforms])."""
+    return torch._C._DisableFuncTorch() if transformed else contextlib.nullcontext()
+
+
 # [Note: torch.compile]
 # fullshard's forward hooks (all-gather, resharding, registering the backward hooks) run
 # eagerly, also when the module is compiled (block.compile(), torch.compile(model)):
@@ -555,30 +595,33 @@ class HookState:
                 self.training_state = TrainingState.PRE_BACKWARD
                 self.ctx.queue_end_of_backward()
             return self._cast_inputs(*self._root_inputs(args, kwargs))  # what the forward saw
-        ctx = self.ctx if self.ctx is not None else self.lazy_init()
+        transformed = torch._C._are_functorch_transforms_active()
+        with _outside_functorch(transformed):
+            ctx = self.ctx if self.ctx is not None else self.lazy_init()
+            if self.is_root:
+                if ctx.needs_recovery():
+                    ctx.recover()
+                if ctx.registrations_seen != registrations.count:
+                    self._check_tree(ctx)
+                ctx.monitor.root_forward()
+                ctx.start_forward()
+                self.streams.shards_written(ctx.post_optim_event)  # the optimizer step (or the given event) came last
+                ctx.post_optim_event = None
+            self.training_state = TrainingState.FORWARD
+            ctx.record_pre_forward(self)
+            groups = self.groups
+            if groups:
+                with profiled("pre_forward", self.label):
+                    # Copy this group's all-gather out (freeing its output) before the next one allocates:
+                    # at most one all-gather output is live beside the unsharded groups ([Note: Prefetch]).
+                    for group in groups:
+                        group.unshard()
+                    targets = self.forward_prefetch
+                    self._prefetch(ctx.forward_next.get(self, ()) if targets is None else targets, backward=False)
         if self.is_root:
-            if ctx.needs_recovery():
-                ctx.recover()
-            if ctx.registrations_seen != registrations.count:
-                self._check_tree(ctx)
-            ctx.monitor.root_forward()
-            ctx.start_forward()
-            self.streams.shards_written(ctx.post_optim_event)  # the optimizer step (or the given event) came last
-            ctx.post_optim_event = None
             args, kwargs = self._root_inputs(args, kwargs)
-        self.training_state = TrainingState.FORWARD
-        ctx.record_pre_forward(self)
-        groups = self.groups
-        if groups:
-            with profiled("pre_forward", self.label):
-                # Copy this group's all-gather out (freeing its output) before the next one allocates:
-                # at most one all-gather output is live beside the unsharded groups ([Note: Prefetch]).
-                for group in groups:
-                    group.unshard()
-                targets = self.forward_prefetch
-                self._prefetch(ctx.forward_next.get(self, ()) if targets is None else targets, backward=False)
         args, kwargs = self._cast_inputs(args, kwargs)
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and not transformed:  # ([Note: torch.func transforms])
             self.calls_awaiting_backward += 1
             args, kwargs = self._wrap_inputs_for_post_backward(args, kwargs)
         return args, kwargs
@@ -602,11 +645,17 @@ class HookState:
             return self._cast_output(output)
         ctx = self.ctx
         assert ctx is not None
+        transformed = torch._C._are_functorch_transforms_active()
         if self.reshard_after_forward and self._last_module_to_run(module) and not ctx.graph_kept:
-            for group in self.groups:
-                group.reshard_post_forward()
+            with _outside_functorch(transformed):
+                for group in self.groups:
+                    group.reshard_post_forward()
         output = self._cast_output(output)
-        needs_backward = self._register_pre_backward(output)
+        if transformed and torch.is_grad_enabled():  # ([Note: torch.func transforms])
+            output, needs_backward = map_tensors(lambda t: _PreBackward.apply(self, t) if t.is_floating_point()
+                                                 or t.is_complex() else t, output), True
+        else:
+            needs_backward = self._register_pre_backward(output)
         self.training_state = TrainingState.IDLE
         ctx.record_post_forward(self)
         if self.is_root:
@@ -614,7 +663,8 @@ class HookState:
             if not needs_backward or not module.training:
                 # Inference (no_grad, or eval mode): leave every group sharded. An eval-mode
                 # forward that is back-propagated anyway all-gathers again in backward.
-                ctx.reshard_all()
+                with _outside_functorch(transformed):
+                    ctx.reshard_all()
         return output
 
     def _last_module_to_run(self, module: nn.Module) -> bool:
