@@ -183,8 +183,9 @@ def shard_modules(
             if tied is None and isinstance(param, DTensor) and (owner := group_of(param)) is not None:
                 raise ShardedElsewhereError(
                     f"parameter {fqn!r} is already sharded by the fully_shard call on {owner.label!r}, which is not "
-                    "inside this call: apply fully_shard to submodules before their parents, and shard modules that "
-                    "share a parameter together or from a common ancestor"
+                    "inside this call: apply fully_shard to submodules before their parents; a module used under "
+                    "two fully_shard calls is sharded on its own first (fully_shard(shared), then both), or the two "
+                    "go in one call (fully_shard([a, b]))"
                 )
             source = param if tied is None else tied.sharded
             if tied is not None:
