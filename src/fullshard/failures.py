@@ -84,9 +84,9 @@ collective at the same place, the rank posts the verdict and raises; the peer
 reads it in its own wait. A rank waiting in an end check raises the same way
 when a peer waits in a collective past the end of its segment (it abandoned a
 backward by catching its exception, say): that peer may be blocked in gloo's
-reduce-scatter, which cannot look, and the heartbeat posts its wait for it. The store therefore holds a fixed number of keys
-per rank for the whole job: the heartbeat, and per track the last end check
-and the wait in progress.
+reduce-scatter, which cannot look, and the heartbeat posts its wait for it.
+The store therefore holds a fixed number of keys per rank for the whole job:
+the heartbeat, and per track the last end check and the wait in progress.
 """
 
 from __future__ import annotations
