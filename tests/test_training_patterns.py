@@ -15,7 +15,15 @@ from torch.utils.checkpoint import checkpoint
 from fullshard import CPUOffloadPolicy, FSDPModule, fully_shard, summon_full_params
 from tests.harness import run_ranks
 from tests.models import MLP, Transformer, lm_loss, mse_loss
-from tests.parity import random_batches, regression_batch, run_parity, token_batch, train
+from tests.parity import (
+    assert_parity,
+    random_batches,
+    regression_batch,
+    run_parity,
+    sgd_momentum,
+    token_batch,
+    train,
+)
 from tests.test_parity import shard_mlp, shard_transformer
 
 
@@ -550,3 +558,29 @@ def test_jvp_through_the_sharded_model(reshard_after_forward: bool, tangent_only
     """torch.func.jvp from the first forward on: the groups all-gather again for backward on the primal's and
     the tangent's paths ([Note: torch.func transforms]); parity with the unsharded model."""
     run_ranks(2, _jvp, reshard_after_forward, tangent_only)
+
+
+def _func_transforms(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    ref = MLP()
+    torch.manual_seed(0)
+    model = MLP()
+    shard_mlp(model)
+    optims = [sgd_momentum(ref.parameters()), sgd_momentum(model.parameters())]  # before any forward, as training code builds them
+    x = torch.randn(5, 4, 7)
+    for _ in range(2):  # from the first forward on, and again once initialised
+        torch.testing.assert_close(torch.func.vmap(model)(x), torch.func.vmap(ref)(x))
+        for inp in x[:2]:
+            torch.testing.assert_close(torch.func.grad(lambda t: model(t).sum())(inp),
+                                       torch.func.grad(lambda t: ref(t).sum())(inp))
+        assert all(p.grad is None for p in model.parameters())  # torch.func.grad leaves .grad alone
+    batches = random_batches(2, world_size, regression_batch)
+    assert_parity(train(ref, batches, mse_loss, rank=None, optim=optims[0]),
+                  train(model, batches, mse_loss, rank=rank, optim=optims[1]), rank)
+    assert_all_sharded(model)
+
+
+def test_vmap_and_grad_transforms_over_the_sharded_model() -> None:
+    """torch.func.vmap (grad enabled) and torch.func.grad with respect to the input give the unsharded model's
+    values, and training goes on from there ([Note: torch.func transforms])."""
+    run_ranks(2, _func_transforms)

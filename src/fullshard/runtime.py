@@ -282,7 +282,7 @@ class IterationContext:
 
     def end_of_backward(self) -> None:
         keep = torch.is_grad_enabled()  # create_graph=True: the graph it made holds the unsharded parameters
-        with profiled("end_of_backward"):
+        with profiled("end_of_backward"), _outside_functorch(torch._C._are_functorch_transforms_active()):
             for state in self.states:
                 groups = state.groups
                 if groups and (state.training_state is TrainingState.PRE_BACKWARD or any(
@@ -375,7 +375,9 @@ class _PostBackward(torch.autograd.Function):
 # the group's pre-backward (all-gathering it again) where a gradient hook could not be
 # registered, on the primal's path and, through its jvp, on the tangent's; and the inputs do
 # not pass through _PostBackward, so every group is reduced at the end of the backward, once
-# both paths have added their gradients.
+# both paths have added their gradients. The same holds under torch.func.vmap and
+# torch.func.grad (whose backward runs inside the transform: _PreBackward's backward and the
+# end of the backward pause functorch too).
 
 
 class _PreBackward(torch.autograd.Function):
@@ -390,9 +392,12 @@ class _PreBackward(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         ctx.state = inputs[0]
 
+    generate_vmap_rule = True  # (torch.func.vmap over a module with grad enabled)
+
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:  # type: ignore[override]
-        ctx.state._pre_backward_hook(grad)
+        with _outside_functorch(torch._C._are_functorch_transforms_active()):  # (a backward inside torch.func.grad)
+            ctx.state._pre_backward_hook(grad)
         return None, grad
 
     @staticmethod
