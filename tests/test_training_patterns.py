@@ -566,7 +566,7 @@ def _func_transforms(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     model = MLP()
     shard_mlp(model)
-    optims = [sgd_momentum(ref.parameters()), sgd_momentum(model.parameters())]  # before any forward, as training code builds them
+    optims = [sgd_momentum(ref.parameters()), sgd_momentum(model.parameters())]  # before any forward
     x = torch.randn(5, 4, 7)
     for _ in range(2):  # from the first forward on, and again once initialised
         torch.testing.assert_close(torch.func.vmap(model)(x), torch.func.vmap(ref)(x))
