@@ -84,23 +84,27 @@ class AveragingReduceScatter(CountingAllocations, ReduceScatter):
                                           async_op=async_op)
 
 
-def _custom_reduce_scatter_ops(rank: int, world_size: int, reduce_dtype: torch.dtype | None) -> None:
+def _custom_reduce_scatter_ops(rank: int, world_size: int, reduce_dtype: torch.dtype | None, hsdp_factor: bool) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     import fullshard
 
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")) if hsdp_factor else None
     runs = []
     for shard, policy in ((fully_shard, fullshard.MixedPrecisionPolicy), (torch_fully_shard, TorchPolicy)):
         torch.manual_seed(0)
         model = Transformer()
         mp = policy(param_dtype=reduce_dtype, reduce_dtype=reduce_dtype)
         for block in model.blocks:
-            shard(block, mp_policy=mp)
-        shard(model, mp_policy=mp)
+            shard(block, mp_policy=mp, mesh=mesh)
+        shard(model, mp_policy=mp, mesh=mesh)
         comm = AveragingReduceScatter()
         for block in model.blocks:
             block.set_custom_reduce_scatter(comm)
+            if hsdp_factor:  # the shard group's size: FSDP2 averages in the reduce-scatter only
+                block.set_gradient_divide_factor(2.0)
         for step_batches in random_batches(2, world_size, token_batch):
             lm_loss(model, step_batches[rank]).backward()
         runs.append((comm.ops, [p.grad.to_local() for p in model.parameters()]))
@@ -110,11 +114,12 @@ def _custom_reduce_scatter_ops(rank: int, world_size: int, reduce_dtype: torch.d
         torch.testing.assert_close(mine, other, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("reduce_dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
-def test_custom_reduce_scatter_gets_the_op_fsdp2_gives(reduce_dtype: torch.dtype | None) -> None:
+@pytest.mark.parametrize("reduce_dtype,hsdp_factor", [(None, False), (torch.bfloat16, False), (None, True)],
+                         ids=["fp32", "bf16", "hsdp-factor"])
+def test_custom_reduce_scatter_gets_the_op_fsdp2_gives(reduce_dtype: torch.dtype | None, hsdp_factor: bool) -> None:
     """The comm gets FSDP2's op (``AVG``) and fullshard does not divide again: a comm that averages regardless
-    gives FSDP2's gradients bit for bit."""
-    run_ranks(2, _custom_reduce_scatter_ops, reduce_dtype)
+    gives FSDP2's gradients bit for bit (also on a 2 x 2 HSDP mesh with a divide factor of the shard size)."""
+    run_ranks(4 if hsdp_factor else 2, _custom_reduce_scatter_ops, reduce_dtype, hsdp_factor)
 
 
 # ---- tensor-subclass all-gather hooks -------------------------------------------------------------------

@@ -45,7 +45,7 @@ class QuantizedCommPolicy:
       one-byte float ones whatever their dims) travel as they are.
     - Gradients are reduce-scattered in ``reduce_dtype`` (bf16 by default) and
       accumulated into fp32 sharded gradients; backwards without sync sum them unsharded
-      in the compute dtype, never in a lower ``reduce_dtype``. A
+      in the compute dtype, and HSDP partial sums stay in it, never in a lower ``reduce_dtype``. A
       ``MixedPrecisionPolicy.reduce_dtype`` given as well must agree.
     - Sharded parameters and the optimizer stay in full precision: only the
       forward/backward copies carry the quantization error.

@@ -318,23 +318,29 @@ class GradReducer:
 
     # ---- arithmetic ------------------------------------------------------------
 
-    def _reduce_op_and_factors(self) -> tuple[Any, float, float]:
-        """(reduce op, divide before the sum, divide after every sum)."""
+    def _reduce_op_and_factors(self) -> tuple[Any, Any, float, float]:
+        """(reduce-scatter op, HSDP all-reduce op, divide before the sum, divide after every sum)."""
         group, settings = self.group, self.settings
+        sum_ = dist.ReduceOp.SUM
         if settings.comm_hook is not None:
-            return dist.ReduceOp.SUM, 1.0, 1.0  # the hook averages
-        dp_size = float(group.mesh_info.data_parallel_size)
-        total = settings.divide_factor if settings.divide_factor is not None else dp_size
+            return sum_, sum_, 1.0, 1.0  # the hook averages
+        info = group.mesh_info
+        factor = settings.divide_factor
+        total = factor if factor is not None else float(info.data_parallel_size)
         if group.reduce_dtype not in (torch.float32, torch.bfloat16):
             # fp16 overflows at 65504: a power of two near the square root before the sum, the rest after
             # (split_division). Every reduce dtype but fp32 and bf16 is split so, as in torch's FSDP2, whose
             # gradients these then equal bit for bit.
             before, after = split_division(total)
-            return dist.ReduceOp.SUM, before, after
-        averages = self._nccl or settings.custom_comm is not None
-        if averages and not settings.force_sum_reduction and total == dp_size:
-            return dist.ReduceOp.AVG, 1.0, 1.0
-        return dist.ReduceOp.SUM, 1.0, total
+            return sum_, sum_, before, after
+        if (self._nccl or settings.custom_comm is not None) and not settings.force_sum_reduction:
+            # The collectives average where FSDP2's do (a custom reduce-scatter gets FSDP2's op): both without a
+            # factor, the reduce-scatter alone when the factor is its group's size.
+            if factor is None and info.data_parallel_size > 1:
+                return dist.ReduceOp.AVG, dist.ReduceOp.AVG, 1.0, 1.0
+            if factor == info.shard_size:
+                return dist.ReduceOp.AVG, sum_, 1.0, 1.0
+        return sum_, sum_, 1.0, total
 
     # ---- issue -----------------------------------------------------------------
 
@@ -380,7 +386,7 @@ class GradReducer:
                  for p, g in zip(params, kept)]
         if flagged:
             grads.append(self._flag_rows(tuple(g is not None for g in kept), dtype, layout.world_size))
-        op, before, _ = self._reduce_op_and_factors()
+        op, _, before, _ = self._reduce_op_and_factors()
         shape = (layout.world_size, layout.shard_numel)
         if settings.custom_comm is not None:
             inp = settings.custom_comm.allocate(shape, dtype=group.reduce_dtype, device=group.device)
@@ -439,7 +445,7 @@ class GradReducer:
                 if not settings.all_reduces:
                     # Keep the partial (per-replica) sums until a backward that all-reduces.
                     for i, (p, chunk) in enumerate(zip(pending.params, chunks)):
-                        _add_into(self._partial_sums, p, chunk)
+                        _add_into(self._partial_sums, p, chunk, group.accumulate_dtype)
                         if flags is not None:
                             _add_into(self._partial_flags, p, flags.narrow(0, i, 1))
                     pending.done = streams.record()
@@ -456,7 +462,7 @@ class GradReducer:
                 scattered = streams.record()
             with streams.on(streams.all_reduce):
                 streams.wait(scattered)
-                op, _, _ = self._reduce_op_and_factors()
+                _, op, _, _ = self._reduce_op_and_factors()
                 pending.all_reduce = all_reduce(reduced, replicate_group, streams, group.label, op)
             pending.stage = ReduceStage.ALL_REDUCE
             return
@@ -469,7 +475,7 @@ class GradReducer:
         """Divide, run the all-reduce hook, cast / offload and assign or add the sharded gradients (current stream)."""
         group, settings, streams = self.group, self.settings, self.group.streams
         self._share_replicated(pending.layout, reduced)
-        _, _, after = self._reduce_op_and_factors()
+        _, _, _, after = self._reduce_op_and_factors()
         if after != 1.0:
             reduced.div_(after)
         if settings.all_reduce_hook is not None:  # on the gradients, without the flag columns
@@ -548,11 +554,13 @@ class GradReducer:
         self._unreduced_backward = False
 
 
-def _add_into(kept: dict[ShardedParam, torch.Tensor], p: ShardedParam, value: torch.Tensor) -> None:
+def _add_into(kept: dict[ShardedParam, torch.Tensor], p: ShardedParam, value: torch.Tensor,
+              dtype: torch.dtype | None = None) -> None:
+    """Add ``value`` into ``kept[p]``, made as a copy (in ``dtype`` when given) the first time."""
     if p in kept:
         kept[p].add_(value)
     else:
-        kept[p] = value.clone()
+        kept[p] = value.to(dtype or value.dtype, copy=True)
 
 
 def split_division(factor: float) -> tuple[float, float]:
