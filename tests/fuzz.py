@@ -14,7 +14,7 @@ FSDP2's finer controls (2-D weights sharded on dim 1, 1-D parameters on a mesh o
 ``ShardPlacementResult``, ``set_reshard_after_backward(False)`` and
 ``set_is_last_backward(False)`` between micro-batches,
 ``set_gradient_divide_factor``, HSDP all-reduces on the last micro-batch only, ``register_fsdp_forward_method``,
-a mixed-precision ``output_dtype``).
+a mixed-precision ``output_dtype``), and a loss through ``torch.func.jvp``.
 
 Every case trains sharded on gloo ranks and unsharded in this process on the same batches; every step's
 losses and full gradients and the final full parameters (and EMA averages) must agree (fp32: 1e-5, plus twice
@@ -136,6 +136,7 @@ class Case:
     # through a ShardPlacementResult, so each block's call forms two groups: none | hsdp (a (2, 2) or, at 2 ranks,
     # a (1, 2) replicate x shard mesh; at 4 ranks with an HSDP call mesh, the 1-D mesh) | replicated (a (ws, 1)
     # mesh: shard groups of one rank, all-reduced over all)
+    jvp: bool = False  # the loss takes the output and its derivative along the input through torch.func.jvp
     comm: str = "none"  # FSDP2's communication settings on every module: none | separate_rs (reduce-scatter on a
     # process group of its own) | rs_buffers (2 reduce-scatter inputs in flight) | pg_alloc (buffers from the process
     # group's allocator) | all (the three)
@@ -333,8 +334,19 @@ def _draw_rest(seed: int, kw: dict[str, Any]) -> Case:
         # get_state_dict gives the resumed optimizer state for every parameter: torch's DCP load then misses
         # keys with any model, sharded or not (seed 7597).
         kw["accumulation"] = 2
-    return _draw_complex(_draw_comm(_draw_mesh(_draw_uneven(_draw_scalar(_draw_strided(_draw_later(_draw_controls(
-        _draw_start(_draw_user(_draw_more(Case(seed, **kw))))))))))))
+    return _draw_jvp(_draw_complex(_draw_comm(_draw_mesh(_draw_uneven(_draw_scalar(_draw_strided(_draw_later(
+        _draw_controls(_draw_start(_draw_user(_draw_more(Case(seed, **kw)))))))))))))
+
+
+def _draw_jvp(case: Case) -> Case:
+    """A loss through torch.func.jvp, from a stream of its own: fp32 without tensor parallel, an all-gather
+    extension, quantized communication or a complex gain (functorch's wrapped tensors through those are not
+    drawn), and without activation checkpoints or the user patterns (a reentrant or non-reentrant checkpoint
+    inside jvp fails unsharded too; the others change outputs or take a second backward)."""
+    rng = random.Random(f"jvp-{case.seed}")
+    allowed = (case.mp == "none" and not case.tp and not case.extension and not case.quantized and not case.complex
+               and case.ac == "none" and case.user == "none")
+    return dataclasses.replace(case, jvp=allowed and rng.random() < 0.25)
 
 
 def _draw_complex(case: Case) -> Case:
@@ -660,6 +672,9 @@ def world_sizes(case: Case) -> list[int]:
 def loss_of(model: Net, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     x, y = batch
     run = model.predict if model.case.method else model
+    if model.case.jvp:
+        out, tangent = torch.func.jvp(run, (x,), (torch.full_like(x, 0.25),))
+        return F.mse_loss(out.to(y.dtype), y) + 0.1 * tangent.to(y.dtype).square().mean()
     if model.case.user == "penalty" and model.step % 2 == 0:
         x = x.clone().requires_grad_(True)
         out = run(x).to(y.dtype)

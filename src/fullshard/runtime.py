@@ -406,8 +406,13 @@ class _PreBackward(torch.autograd.Function):
 
 
 def _outside_functorch(transformed: bool) -> Any:
-    """A context pausing torch.func's transforms when ``transformed`` ([Note: torch.func transforms])."""
-    return torch._C._DisableFuncTorch() if transformed else contextlib.nullcontext()
+    """A context outside torch.func's transforms when ``transformed`` ([Note: torch.func transforms]): their
+    interpreters are set aside, so what runs inside makes plain tensors, parameters included."""
+    if not transformed:
+        return contextlib.nullcontext()
+    from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
+
+    return temporarily_clear_interpreter_stack()
 
 
 # [Note: torch.compile]
@@ -662,13 +667,13 @@ class HookState:
         else:
             needs_backward = self._register_pre_backward(output)
         self.training_state = TrainingState.IDLE
-        ctx.record_post_forward(self)
-        if self.is_root:
-            ctx.end_forward()
-            if not needs_backward or not module.training:
-                # Inference (no_grad, or eval mode): leave every group sharded. An eval-mode
-                # forward that is back-propagated anyway all-gathers again in backward.
-                with _outside_functorch(transformed):
+        with _outside_functorch(transformed):
+            ctx.record_post_forward(self)
+            if self.is_root:
+                ctx.end_forward()
+                if not needs_backward or not module.training:
+                    # Inference (no_grad, or eval mode): leave every group sharded. An eval-mode
+                    # forward that is back-propagated anyway all-gathers again in backward.
                     ctx.reshard_all()
         return output
 
