@@ -405,11 +405,14 @@ class _PreBackward(torch.autograd.Function):
         return None if tangent is None else _PreBackward.apply(ctx.state, tangent)
 
 
+_UNCHANGED = contextlib.nullcontext()  # one object for every hook outside a transform: hooks allocate nothing
+
+
 def _outside_functorch(transformed: bool) -> Any:
     """A context outside torch.func's transforms when ``transformed`` ([Note: torch.func transforms]): their
     interpreters are set aside, so what runs inside makes plain tensors, parameters included."""
     if not transformed:
-        return contextlib.nullcontext()
+        return _UNCHANGED
     from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 
     return temporarily_clear_interpreter_stack()
