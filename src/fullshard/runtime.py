@@ -282,7 +282,7 @@ class IterationContext:
 
     def end_of_backward(self) -> None:
         keep = torch.is_grad_enabled()  # create_graph=True: the graph it made holds the unsharded parameters
-        with profiled("end_of_backward"), _outside_functorch(torch._C._are_functorch_transforms_active()):
+        with profiled("end_of_backward"), _outside_functorch():
             for state in self.states:
                 groups = state.groups
                 if groups and (state.training_state is TrainingState.PRE_BACKWARD or any(
@@ -370,19 +370,21 @@ class _PostBackward(torch.autograd.Function):
 # Inside torch.func.jvp (forward-mode AD through the model, as consistency models train) the
 # module sees functorch's wrapped tensors, and its outputs report requires_grad=False there
 # although autograd records them for the backward that follows outside the transform. So the
-# hooks' own work (lazy init, all-gathers, resharding) runs with functorch paused, on the
-# plain tensors; each floating-point output passes through _PreBackward, whose backward runs
+# hooks' own work (lazy init, all-gathers, resharding) runs with functorch's interpreters set
+# aside, on plain tensors; each floating-point output passes through _PreBackward, whose backward runs
 # the group's pre-backward (all-gathering it again) where a gradient hook could not be
 # registered, on the primal's path and, through its jvp, on the tangent's; and the inputs do
 # not pass through _PostBackward, so every group is reduced at the end of the backward, once
 # both paths have added their gradients. The same holds under torch.func.vmap and
 # torch.func.grad (whose backward runs inside the transform: _PreBackward's backward and the
-# end of the backward pause functorch too).
+# end of the backward set the interpreters aside too).
 
 
 class _PreBackward(torch.autograd.Function):
     """Identity on a module call's output under torch.func transforms; its backward runs the pre-backward
     hook ([Note: torch.func transforms])."""
+
+    generate_vmap_rule = True  # (torch.func.vmap over a module with grad enabled)
 
     @staticmethod
     def forward(state: HookState, output: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
@@ -392,11 +394,9 @@ class _PreBackward(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         ctx.state = inputs[0]
 
-    generate_vmap_rule = True  # (torch.func.vmap over a module with grad enabled)
-
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:  # type: ignore[override]
-        with _outside_functorch(torch._C._are_functorch_transforms_active()):  # (a backward inside torch.func.grad)
+        with _outside_functorch():  # (a backward inside torch.func.grad)
             ctx.state._pre_backward_hook(grad)
         return None, grad
 
@@ -408,9 +408,12 @@ class _PreBackward(torch.autograd.Function):
 _UNCHANGED = contextlib.nullcontext()  # one object for every hook outside a transform: hooks allocate nothing
 
 
-def _outside_functorch(transformed: bool) -> Any:
-    """A context outside torch.func's transforms when ``transformed`` ([Note: torch.func transforms]): their
-    interpreters are set aside, so what runs inside makes plain tensors, parameters included."""
+def _outside_functorch(transformed: bool | None = None) -> Any:
+    """A context outside torch.func's transforms when ``transformed`` (by default: when one is active; [Note:
+    torch.func transforms]): their interpreters are set aside, so what runs inside makes plain tensors,
+    parameters included."""
+    if transformed is None:
+        transformed = torch._C._are_functorch_transforms_active()
     if not transformed:
         return _UNCHANGED
     from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
