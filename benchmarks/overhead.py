@@ -30,6 +30,13 @@ every model (fullshard, FSDP2 and the unwrapped ones) in one process; the last
 columns leave out the time spent inside the collective calls themselves (the
 fake backend's own cost, or gloo's issue cost), which both pay alike.
 
+Python's cyclic garbage collector is run before every timed run, and everything
+built before the rounds (every model, its optimizer state, the warm-up's
+caches) is frozen out of its passes (``gc.freeze()``): otherwise a full pass over
+the half a million objects of the three models (about 160 ms at 200 blocks)
+lands on whichever model happens to be running then, and moves one model's
+median by 10-20% from one process to the next.
+
 - ``--fake``: in one process, with torch's fake process group standing in for
   8, 64 and 512 ranks (collectives return at once; shapes are those of a real
   rank);
@@ -46,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import statistics
 import subprocess
@@ -222,6 +230,8 @@ def measure(model: str, size: int, args: argparse.Namespace) -> dict[str, float]
     for run in steps.values():
         for _ in range(3):
             run()
+    gc.collect()
+    gc.freeze()
     timer = CallTimer()
     n_steps = steps_per_round(model, args)
     times: dict[str, list[float]] = {name: [] for name in steps}
@@ -231,6 +241,7 @@ def measure(model: str, size: int, args: argparse.Namespace) -> dict[str, float]
             order = list(steps.items())
             order = order[r % len(order):] + order[: r % len(order)]
             for name, run in order:
+                gc.collect()
                 dist.barrier()
                 start, calls = time.perf_counter(), timer.total
                 for _ in range(n_steps):
@@ -239,6 +250,7 @@ def measure(model: str, size: int, args: argparse.Namespace) -> dict[str, float]
                 in_calls[name].append((timer.total - calls) / n_steps)
     finally:
         timer.restore()
+        gc.unfreeze()
     return {name: statistics.median(t) for name, t in times.items()} | {
         f"{name} calls": statistics.median(t) for name, t in in_calls.items()
     }
