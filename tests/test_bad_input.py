@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -242,6 +243,22 @@ def _mismatch(name: str, err: Exception, kind: Kinds, pattern: str) -> list[str]
     if not re.search(pattern, str(err)):
         return [f"{name}: message {str(err)!r} does not match {pattern!r}"]
     return []
+
+
+def _syncs_skipped(rank: int, world_size: int) -> list[bool]:
+    """Whether a backward after ``set_requires_gradient_sync(flag)`` left every sharded gradient unset, per flag."""
+    skipped = []
+    for flag in (False, np.False_, True, np.True_):
+        model = sharded()
+        model.set_requires_gradient_sync(flag)
+        model(torch.randn(2, 4) + rank).sum().backward()
+        skipped.append(all(p.grad is None for p in model.parameters()))
+    return skipped
+
+
+def test_numpy_bools_are_bools() -> None:
+    """The setters take numpy's bools as bools (an index computed with numpy gives one); ints and None stay errors."""
+    assert run_ranks(2, _syncs_skipped) == [[True, True, False, False]] * 2
 
 
 @pytest.mark.parametrize("cases", [_fully_shard_cases, _call_cases])

@@ -663,19 +663,19 @@ class FSDPModule:
         The equivalent of FSDP1's ``no_sync()``; for HSDP it skips the all-reduce too. The setting of
         :meth:`set_requires_all_reduce` is kept: a synced backward all-reduces when both are ``True``.
         """
-        expect_bool("set_requires_gradient_sync", "requires_gradient_sync", requires_gradient_sync)
+        requires_gradient_sync = expect_bool("set_requires_gradient_sync", "requires_gradient_sync", requires_gradient_sync)
         for settings in _reduce_settings(self._as_module(), recurse):
             settings.requires_gradient_sync = requires_gradient_sync
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: ``False`` reduce-scatters but keeps the per-replica sums, all-reduced by a later backward."""
-        expect_bool("set_requires_all_reduce", "requires_all_reduce", requires_all_reduce)
+        requires_all_reduce = expect_bool("set_requires_all_reduce", "requires_all_reduce", requires_all_reduce)
         for settings in _reduce_settings(self._as_module(), recurse):
             settings.requires_all_reduce = requires_all_reduce
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """``False`` keeps the unsharded parameters after backward (saves the next forward's all-gather)."""
-        expect_bool("set_reshard_after_backward", "reshard_after_backward", reshard_after_backward)
+        reshard_after_backward = expect_bool("set_reshard_after_backward", "reshard_after_backward", reshard_after_backward)
         for state in states_in(self._as_module(), recurse):
             state.reshard_after_backward = reshard_after_backward
 
@@ -729,7 +729,8 @@ class FSDPModule:
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
         """Reduce zeros for trainable parameters that got no gradient, so ranks whose control flow used
         different parameters (mixture of experts) still issue matching collectives."""
-        expect_bool("set_reduce_scatter_unused_params", "reduce_scatter_unused_params", reduce_scatter_unused_params)
+        reduce_scatter_unused_params = expect_bool("set_reduce_scatter_unused_params", "reduce_scatter_unused_params",
+                                                   reduce_scatter_unused_params)
         for settings in _reduce_settings(self._as_module(), recurse):
             settings.reduce_unused_params = reduce_scatter_unused_params
 
@@ -764,7 +765,7 @@ class FSDPModule:
 
         Without it, NCCL reductions whose divide factor is the data-parallel size use ``AVG``.
         """
-        expect_bool("set_force_sum_reduction_for_comms", "enable", enable)
+        enable = expect_bool("set_force_sum_reduction_for_comms", "enable", enable)
         for settings in _reduce_settings(self._as_module(), recurse=False):
             settings.force_sum_reduction = enable
 
@@ -789,7 +790,7 @@ class FSDPModule:
         where its backend has one for the device (NCCL's registered memory, for zero-copy transfers), else from the
         caching allocator as by default. Not with a custom all-gather or reduce-scatter (``AssertionError``, as
         FSDP2)."""
-        expect_bool("set_allocate_memory_from_process_group_for_comm", "enable", enable)
+        enable = expect_bool("set_allocate_memory_from_process_group_for_comm", "enable", enable)
         for group in self._get_hook_state().groups:
             settings = group.reducer.settings
             _refuse_custom_comm("set_allocate_memory_from_process_group", "all gather", group.all_gather_comm,

@@ -55,10 +55,13 @@ class ShardedElsewhereError(ValueError, TypeError):
 
 
 def expect_bool(where: str, name: str, value: object) -> bool:
-    """``value`` when it is a bool; else ``TypeError`` naming the argument (``where``: the function)."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{where}: {name} must be a bool, got {type(value).__name__}")
-    return value
+    """``value`` as a bool when it is one (numpy's too); else ``TypeError`` naming the argument (``where``: the
+    function). FSDP2 reads any object's truth instead: ``None`` as ``False``, the string ``"False"`` as ``True``."""
+    if isinstance(value, bool):
+        return value
+    if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):
+        return bool(value)
+    raise TypeError(f"{where}: {name} must be a bool, got {type(value).__name__}")
 
 
 def expect_divisor(where: str, name: str, value: object) -> float:
