@@ -15,12 +15,13 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from fullshard import FSDPModule, fully_shard
+from fullshard import optim as fs_optim
 from fullshard.group import ShardedState
 from fullshard.runtime import state_of, states_in
 from tests.comm import CommRecorder
 from tests.harness import run_ranks
 from tests.models import MLP, mse_loss
-from tests.parity import assert_parity, random_batches, regression_batch, run_parity, train
+from tests.parity import assert_parity, full, random_batches, regression_batch, run_parity, train
 from tests.test_training_patterns import Reused, shard_reused
 
 # ---- outputs in dataclasses, namedtuples and nested containers --------------------------------------
@@ -235,6 +236,77 @@ def _double_backward(rank: int, world_size: int, reshard: bool) -> None:
 def test_gradient_penalty_through_a_double_backward(reshard: bool) -> None:
     # FSDP2 frees the parameters that the create_graph backward's graph saved: the final backward fails.
     run_ranks(2, _double_backward, reshard)
+
+
+# ---- the sharded parameters change while groups hold unsharded values ------------------------------
+
+
+def _between_backward_and_step(model: nn.Module, params: list[torch.Tensor], case: str, xs: list[torch.Tensor],
+                                loss: torch.Tensor) -> None:
+    """What runs after the forward in ``case``: its backward, then what leaves groups unsharded before the step."""
+    if case == "create_graph":  # the step's last backward builds a graph (Hessian-based methods do)
+        loss.backward(create_graph=True)
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad = p.grad.detach()
+        return
+    loss.backward(retain_graph=case == "logged_input_grad")
+    if case == "logged_input_grad":  # a gradient norm logged, never back-propagated
+        torch.autograd.grad(loss, xs, create_graph=True)
+    elif case in ("metric", "metric_and_edit"):  # a metric computed with grad enabled
+        model(xs[0].detach()).square().mean()
+    if case == "metric_and_edit":  # in-place writes to the optimizer's (sharded) parameters, as a rescaling
+        with torch.no_grad():
+            for p in params:
+                p.mul_(0.9)
+
+
+def _changed_while_unsharded(rank: int, world_size: int, case: str, optimizer: str) -> None:
+    make_optim = {"sgd": functools.partial(torch.optim.SGD, lr=0.1),
+                  "flat_adamw": functools.partial(fs_optim.AdamW, lr=0.01, foreach=True)}[optimizer]
+    batches = random_batches(3, world_size, regression_batch)
+    traces = []
+    for sharded in (False, True):
+        torch.manual_seed(0)
+        model = TanhStack()
+        if sharded:
+            # A metric forward leaves every group unsharded, the others only the root.
+            shard_blocks(model, reshard_after_forward=case not in ("metric", "metric_and_edit"))
+            if case == "no_reshard_after_backward":
+                model.set_reshard_after_backward(False)
+        opt, losses, norms = make_optim(model.parameters()), [], []
+        for step in batches:
+            xs = [b[0].clone().requires_grad_(True) for b in (step[rank:rank + 1] if sharded else step)]
+            per_rank = [(model(x) - b[1]).square().mean() for x, b in zip(xs, step[rank:rank + 1] if sharded else step)]
+            loss = sum(per_rank) / len(per_rank)
+            params = opt.param_groups[0]["params"]
+            _between_backward_and_step(model, params, case, xs, loss)
+            if case in ("create_graph", "logged_input_grad"):  # the sharded parameters are registered again
+                assert [id(p) for p in model.parameters()] == [id(p) for p in params]
+            norm = torch.nn.utils.clip_grad_norm_(params, 1e9)
+            norms.append(norm.full_tensor() if sharded else norm)
+            opt.step()
+            opt.zero_grad()
+            losses.append(per_rank[0].detach() if sharded else per_rank[rank].detach())
+        # (the state dict: groups the last metric forward left unsharded register their values from before the step)
+        traces.append((losses, norms, {name: full(value) for name, value in model.state_dict().items()}))
+    (ref_losses, ref_norms, ref_params), (losses, norms, params) = traces
+    torch.testing.assert_close(losses, ref_losses)
+    torch.testing.assert_close(norms, ref_norms)
+    torch.testing.assert_close(params, ref_params)
+
+
+@pytest.mark.parametrize("case,optimizer", [
+    ("create_graph", "sgd"), ("logged_input_grad", "sgd"), ("metric", "sgd"), ("metric", "flat_adamw"),
+    ("metric_and_edit", "sgd"), ("no_reshard_after_backward", "sgd"), ("no_reshard_after_backward", "flat_adamw"),
+])
+def test_sharded_parameters_changed_while_unsharded(case: str, optimizer: str) -> None:
+    """An optimizer step (or an in-place edit) while groups still hold unsharded values from before it: the next
+    forward uses the new values, as the unsharded model does ([Note: Sharded parameters changed while unsharded]).
+    FSDP2 trains on with the old values in every case but the two create_graph ones; after a create_graph
+    backward the sharded parameters are registered again, as after any backward (clipping ``model.parameters()``
+    sees their gradients)."""
+    run_ranks(2, _changed_while_unsharded, case, optimizer)
 
 
 def alternating_subsets(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

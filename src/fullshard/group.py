@@ -153,6 +153,11 @@ class ParamGroup:
         # parameters]); the groups already warned about.
         self._gathered_versions: list[int] = []
         self._warned_changed = False
+        # The sharded values' versions (_shard_versions) when the unsharded values (or their post-forward copy)
+        # were gathered from them ([Note: Sharded parameters changed while unsharded]); -1: not from these.
+        self._gathered_from = -1
+        # Resharded with its unsharded buffer kept alive for a graph that saved it ([Note: Double backward]).
+        self.storage_kept = False
 
         # Parameters on the meta device (deferred initialisation) get a meta flat shard
         # buffer; `FSDPModule.to_empty()` / `_apply` re-link them to real memory.
@@ -490,6 +495,7 @@ class ParamGroup:
                 p.sharded.grad = grad  # a gradient accumulated before the link stays, as on a plain module
             p.state_dict_view = None  # it holds the old flat buffer alive
         self.flat_shard = flat
+        self._gathered_from = -1
         self.shard_device = device if device.type != "meta" else self.shard_device
         self._set_dtypes(dtype)
         unreduced = [p.unsharded.grad for p in self.params]  # accumulated without gradient sync
@@ -574,10 +580,14 @@ class ParamGroup:
 
     def unshard(self, async_op: bool = False) -> None:
         """Issue the all-gather (SHARDED[_POST_FORWARD] -> UNSHARDING); with ``async_op=False`` also wait."""
+        if self.state in (ShardedState.UNSHARDED, ShardedState.SHARDED_POST_FORWARD) and \
+                self._shard_versions() != self._gathered_from:
+            self.reshard()  # [Note: Sharded parameters changed while unsharded]
         if self.state is ShardedState.SHARDED:
             self.check_materialized()
             if not self.replicas_synced:
                 self.sync_replicas()
+            self._gathered_from = self._shard_versions()
         if self.state is ShardedState.SHARDED and self.codecs is not None:
             self._pending_all_gather = all_gather_packed(
                 self._encode, self.device, self.mesh_info.shard_group, self.streams, self.label, self.all_gather_comm
@@ -599,6 +609,13 @@ class ParamGroup:
             self.state = ShardedState.UNSHARDING
         if not async_op:
             self.wait_for_unshard()
+
+    def _shard_versions(self) -> int:
+        """The sum of the version counters that in-place writes to the sharded values bump: the flat shard
+        buffer's (flat optimizer steps), each sharded parameter's (``DTensor`` in-place ops) and its local
+        tensor's (steps on the local shards). Counters only grow, so the sum changes with any of them."""
+        return self.flat_shard._version + sum(p.sharded._version + p.sharded._local_tensor._version
+                                              for p in self.params)
 
     @torch.no_grad()
     def sync_replicas(self) -> None:
@@ -668,18 +685,27 @@ class ParamGroup:
                 "the sharded parameters outside forward, or inside summon_full_params(writeback=True)",
             )
 
-    def reshard(self) -> None:
-        """Back to SHARDED: register the sharded parameters and free the unsharded buffer."""
+    def reshard(self, keep_storage: bool = False) -> None:
+        """Back to SHARDED: register the sharded parameters and free the unsharded buffer (``keep_storage``:
+        leave it allocated, with its values, for a graph that saved it, until :meth:`release_storage`)."""
         if self.state is ShardedState.SHARDED:
             return
         if self.state is ShardedState.UNSHARDING:
             self.wait_for_unshard()  # a collective in flight cannot be abandoned
         self._check_unchanged()
         self._register_sharded()
-        self._free_unsharded()
+        self.storage_kept = keep_storage
+        if not keep_storage:
+            self._free_unsharded()
         if self.post_forward is not None:
             self.post_forward.buffer.untyped_storage().resize_(0)
         self.state = ShardedState.SHARDED
+
+    def release_storage(self) -> None:
+        """Free the unsharded buffer a create_graph backward's reshard kept, unless unsharded again since."""
+        if self.storage_kept and self.state is ShardedState.SHARDED:
+            self._free_unsharded()
+        self.storage_kept = False
 
     @torch.no_grad()
     def reshard_post_forward(self) -> None:

@@ -113,12 +113,33 @@ def in_backward() -> bool:
 # A backward with create_graph=True (a gradient penalty: torch.autograd.grad(out, x,
 # create_graph=True), then a loss that includes the gradient is back-propagated) builds a
 # graph whose nodes saved the unsharded parameters, and the backward through it reaches
-# them by paths that do not pass the groups' outputs or inputs. So such a backward leaves
-# every group it unsharded unsharded (its own gradients are reduced as usual), and until a
-# backward without create_graph has run, forwards leave the groups unsharded too (that
-# backward may run through their graph as well). That backward reduces and reshards every
-# group at its end, once all gradients, those through the kept graph included, have
-# arrived. Memory in between is that of reshard_after_forward=False.
+# them by paths that do not pass the groups' outputs or inputs. So such a backward reduces
+# its gradients as usual and at its end registers the sharded parameters again (the
+# optimizer, clip_grad_norm_ and state dicts see what they see after any backward), but
+# keeps every unsharded buffer allocated with its values. Until a backward without
+# create_graph has run, forwards leave the groups unsharded (that backward may run
+# through their graph as well); an all-gather in between writes the same values into the
+# kept buffer, unless the sharded parameters changed ([Note: Sharded parameters changed
+# while unsharded]; torch's unsharded model refuses a backward through a graph whose
+# parameters an optimizer step changed since, this one uses the new values). The backward
+# without create_graph reduces and reshards every group at its end, once all gradients,
+# those through the kept graph included, have arrived, and frees the kept buffers. Memory
+# in between is that of reshard_after_forward=False.
+
+
+# [Note: Sharded parameters changed while unsharded]
+# An optimizer step (or a state dict load, an EMA swap) between a forward and the next one
+# writes the sharded parameters while a group may still hold unsharded values gathered
+# before it: the root or a group with reshard_after_forward=False after a forward that was
+# never back-propagated (a metric computed with grad enabled after backward), every group
+# after set_reshard_after_backward(False), the groups a create_graph backward kept, the
+# post-forward copy of reshard_after_forward=k. Each all-gather records the version
+# counters that in-place writes to the sharded values bump (the flat shard buffer's, each
+# sharded parameter's and its local tensor's), and unsharding a group that is unsharded or
+# holds a post-forward copy compares them first: a change reshards the group and gathers
+# the new values. On every rank alike, as the step that wrote them ran on every rank. An
+# edit through `.data`, which autograd does not see either, is not noticed. FSDP2 trains
+# on with the values from before the step there.
 
 
 # [Note: Changes after the first forward]
@@ -292,6 +313,11 @@ class IterationContext:
                     state.post_backward(in_backward_pass=False)
                 state.training_state = TrainingState.IDLE
                 state.calls_awaiting_backward = 0
+                for group in groups:  # [Note: Double backward]
+                    if not keep:
+                        group.release_storage()
+                    elif state.reshard_after_backward:
+                        group.reshard(keep_storage=True)
             self.graph_kept = keep
             self.settle_reductions()
 
