@@ -137,6 +137,8 @@ class Case:
     # a (1, 2) replicate x shard mesh; at 4 ranks with an HSDP call mesh, the 1-D mesh) | replicated (a (ws, 1)
     # mesh: shard groups of one rank, all-reduced over all)
     jvp: bool = False  # the loss takes the output and its derivative along the input through torch.func.jvp
+    metric: bool = False  # after each step's backward and clipping, before the step, a forward with grad enabled that
+    # is never back-propagated (a training metric): groups that keep their values after forward hold them unsharded
     comm: str = "none"  # FSDP2's communication settings on every module: none | separate_rs (reduce-scatter on a
     # process group of its own) | rs_buffers (2 reduce-scatter inputs in flight) | pg_alloc (buffers from the process
     # group's allocator) | all (the three)
@@ -176,7 +178,8 @@ class Case:
         over micro-batches likewise (seed 6319: both within 1.5e-3 of the reference, 1.7e-3 apart). A block skipped in
         the last micro-batch of HSDP's ``all_reduce_last``: FSDP2 never all-reduces the partial sums that the
         earlier micro-batches kept, so the block has no gradient that step (seed 106; run in the middle micro-batch
-        only, seed 641)."""
+        only, seed 641). A metric forward where groups keep their values after forward: FSDP2's next forward
+        uses the values from before the step."""
         return (self.tie in ("none", "within") and not self.zero_numel and not self.strided and not self.reassign_later
                 and not self.scalar and not self.uneven1
                 and self.branch != "ranks" and not self.mixed_dtype and not self.complex and self.optim in ("sgd", "adamw")
@@ -184,7 +187,8 @@ class Case:
                 and not self.ema and self.resume_ws == 0 and self.user in ("none", "reentrant")
                 and not (self.reuse and (self.user == "reentrant" or (self.mp == "bf16" and (
                     self.accumulation > 1 or self.other_mesh != "none"))))
-                and not (self.all_reduce_last and (self.mp == "bf16" or self.branch in ("micro", "middle"))))
+                and not (self.all_reduce_last and (self.mp == "bf16" or self.branch in ("micro", "middle")))
+                and not (self.metric and self.reshard != "true"))
 
     @property
     def fsdp2_tolerance(self) -> dict[str, float]:
@@ -334,8 +338,13 @@ def _draw_rest(seed: int, kw: dict[str, Any]) -> Case:
         # get_state_dict gives the resumed optimizer state for every parameter: torch's DCP load then misses
         # keys with any model, sharded or not (seed 7597).
         kw["accumulation"] = 2
-    return _draw_jvp(_draw_complex(_draw_comm(_draw_mesh(_draw_uneven(_draw_scalar(_draw_strided(_draw_later(
-        _draw_controls(_draw_start(_draw_user(_draw_more(Case(seed, **kw)))))))))))))
+    return _draw_metric(_draw_jvp(_draw_complex(_draw_comm(_draw_mesh(_draw_uneven(_draw_scalar(_draw_strided(_draw_later(
+        _draw_controls(_draw_start(_draw_user(_draw_more(Case(seed, **kw))))))))))))))
+
+
+def _draw_metric(case: Case) -> Case:
+    """A metric forward between backward and step, from a stream of its own."""
+    return dataclasses.replace(case, metric=random.Random(f"metric-{case.seed}").random() < 0.2)
 
 
 def _draw_jvp(case: Case) -> Case:
@@ -975,6 +984,10 @@ def _step(case: Case, model: Net, opt: torch.optim.Optimizer, sched: Any, ema: A
         torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 0.5)
     elif case.clip == "fullshard":
         clip_grad_norm_(model, 0.5)
+    if case.metric:  # its output is dropped: the step must reach the groups it left unsharded (until the step
+        # their modules hold the unsharded parameters, without gradients, as on FSDP2: so after the clip)
+        model.set_rank(0 if rank is None else case.data_rank(rank))
+        model(data[step][0][0][0])
     opt.step()
     opt.zero_grad(set_to_none=not case.keep_grads)
     if sched is not None:

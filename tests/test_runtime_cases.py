@@ -21,7 +21,7 @@ from fullshard.runtime import state_of, states_in
 from tests.comm import CommRecorder
 from tests.harness import run_ranks
 from tests.models import MLP, mse_loss
-from tests.parity import assert_parity, full, random_batches, regression_batch, run_parity, train
+from tests.parity import assert_parity, full_params, random_batches, regression_batch, run_parity, train
 from tests.test_training_patterns import Reused, shard_reused
 
 # ---- outputs in dataclasses, namedtuples and nested containers --------------------------------------
@@ -286,10 +286,11 @@ def _changed_while_unsharded(rank: int, world_size: int, case: str, optimizer: s
             norm = torch.nn.utils.clip_grad_norm_(params, 1e9)
             norms.append(norm.full_tensor() if sharded else norm)
             opt.step()
+            if sharded:  # the step registered the sharded parameters on the groups left unsharded
+                assert [id(p) for p in model.parameters()] == [id(p) for p in params]
             opt.zero_grad()
             losses.append(per_rank[0].detach() if sharded else per_rank[rank].detach())
-        # (the state dict: groups the last metric forward left unsharded register their values from before the step)
-        traces.append((losses, norms, {name: full(value) for name, value in model.state_dict().items()}))
+        traces.append((losses, norms, full_params(model)))
     (ref_losses, ref_norms, ref_params), (losses, norms, params) = traces
     torch.testing.assert_close(losses, ref_losses)
     torch.testing.assert_close(norms, ref_norms)
@@ -303,9 +304,9 @@ def _changed_while_unsharded(rank: int, world_size: int, case: str, optimizer: s
 def test_sharded_parameters_changed_while_unsharded(case: str, optimizer: str) -> None:
     """An optimizer step (or an in-place edit) while groups still hold unsharded values from before it: the next
     forward uses the new values, as the unsharded model does ([Note: Sharded parameters changed while unsharded]).
-    FSDP2 trains on with the old values in every case but the two create_graph ones; after a create_graph
+    FSDP2 trains on with the old values in every case but the two create_graph ones. After a create_graph
     backward the sharded parameters are registered again, as after any backward (clipping ``model.parameters()``
-    sees their gradients)."""
+    sees their gradients), and after every step."""
     run_ranks(2, _changed_while_unsharded, case, optimizer)
 
 

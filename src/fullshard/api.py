@@ -43,7 +43,14 @@ from fullshard.policy import (
     validate_offload_policy,
 )
 from fullshard.reduce import ReduceSettings
-from fullshard.runtime import HookState, hook_unused_submodules, state_of, states_in, take_over_changes
+from fullshard.runtime import (
+    HookState,
+    hook_unused_submodules,
+    reshard_before_step,
+    state_of,
+    states_in,
+    take_over_changes,
+)
 from fullshard.state_dict import register_state_dict_hooks
 
 log = logging.getLogger("fullshard")
@@ -54,11 +61,13 @@ _optimizer_hooks_installed = False
 
 def _install_optimizer_hooks() -> None:
     """Once per process, at the first ``fully_shard``: an optimizer still holding parameters that ``fully_shard``
-    replaced raises, and torch's elementwise optimizers step fullshard's parameters on their local shards."""
+    replaced raises, groups left unsharded register their sharded parameters, and torch's elementwise optimizers
+    step fullshard's parameters on their local shards."""
     global _optimizer_hooks_installed
     if not _optimizer_hooks_installed:
         register_optimizer_step_pre_hook(replaced.refuse_replaced)
         register_optimizer_step_pre_hook(local_step.pre_step)
+        register_optimizer_step_pre_hook(reshard_before_step)
         _optimizer_hooks_installed = True
 
 

@@ -48,6 +48,7 @@ import contextlib
 import dataclasses
 import logging
 import warnings
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
 from enum import Enum, auto
@@ -139,7 +140,11 @@ def in_backward() -> bool:
 # holds a post-forward copy compares them first: a change reshards the group and gathers
 # the new values. On every rank alike, as the step that wrote them ran on every rank. An
 # edit through `.data`, which autograd does not see either, is not noticed. FSDP2 trains
-# on with the values from before the step there.
+# on with the values from before the step there. An optimizer step (a global step pre-hook,
+# outside backward) also reshards the groups a forward or backward left unsharded, so that
+# after it model.parameters(), a state dict or an EMA reading the modules see the stepped
+# sharded parameters; between the step and the next forward the check above is what
+# catches writes that are not optimizer steps.
 
 
 # [Note: Changes after the first forward]
@@ -212,6 +217,10 @@ class IterationContext:
         self.inputs_in_flight: deque[PendingReduce] = deque()  # whose reduce-scatter input is still held
         self.end_of_backward_queued = False
         self.graph_kept = False  # a backward with create_graph=True left groups unsharded ([Note: Double backward])
+        # A forward or backward since the last optimizer step may have left groups unsharded
+        # ([Note: Sharded parameters changed while unsharded]).
+        self.unsharded_left = False
+        _contexts.add(self)
         self.post_optim_event: torch.Event | None = None
         self.registrations_seen = -1  # registrations.count when the states were last checked
         # Implicit prefetch: how many groups ahead, and when in backward.
@@ -304,6 +313,7 @@ class IterationContext:
     def end_of_backward(self) -> None:
         keep = torch.is_grad_enabled()  # create_graph=True: the graph it made holds the unsharded parameters
         with profiled("end_of_backward"), _outside_functorch():
+            self.unsharded_left = False
             for state in self.states:
                 groups = state.groups
                 if groups and (state.training_state is TrainingState.PRE_BACKWARD or any(
@@ -318,6 +328,7 @@ class IterationContext:
                         group.release_storage()
                     elif state.reshard_after_backward:
                         group.reshard(keep_storage=True)
+                    self.unsharded_left |= group.state is not ShardedState.SHARDED
             self.graph_kept = keep
             self.settle_reductions()
 
@@ -364,7 +375,30 @@ class IterationContext:
         for state in self.states:
             for group in state.groups:
                 group.reshard()
+        self.unsharded_left = False
         self.streams.host_wait(self.streams.h2d_done)
+
+    def reshard_before_step(self) -> None:
+        """An optimizer step is about to write the sharded parameters: register them on every group left
+        unsharded ([Note: Sharded parameters changed while unsharded])."""
+        self.unsharded_left = False
+        for state in self.states:
+            for group in state.groups:
+                group.reshard(keep_storage=self.graph_kept)
+
+
+_contexts: weakref.WeakSet[IterationContext] = weakref.WeakSet()
+
+
+def reshard_before_step(opt: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """The global optimizer step pre-hook (registered at the first ``fully_shard``): groups that a forward (or a
+    backward keeping them) left unsharded register their sharded parameters. Not in a backward (an optimizer
+    step per parameter from its gradient hook), where groups are unsharded for the backward itself."""
+    if torch.compiler.is_compiling() or in_backward():
+        return
+    for ctx in list(_contexts):
+        if ctx.unsharded_left:
+            ctx.reshard_before_step()
 
 
 def _following(order: list[HookState], depth: int) -> dict[HookState, list[HookState]]:
@@ -703,6 +737,7 @@ class HookState:
             ctx.record_post_forward(self)
             if self.is_root:
                 ctx.end_forward()
+                ctx.unsharded_left = True
                 if not needs_backward or not module.training:
                     # Inference (no_grad, or eval mode): leave every group sharded. An eval-mode
                     # forward that is back-propagated anyway all-gathers again in backward.
