@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from fullshard import FSDPModule, fully_shard
+from fullshard import FSDPModule, clip_grad_norm_, fully_shard
 from fullshard import optim as fs_optim
 from fullshard.group import ShardedState
 from fullshard.runtime import state_of, states_in
@@ -284,7 +284,8 @@ def _changed_while_unsharded(rank: int, world_size: int, case: str, optimizer: s
             if case in ("create_graph", "logged_input_grad"):  # the sharded parameters are registered again
                 assert [id(p) for p in model.parameters()] == [id(p) for p in params]
             norm = torch.nn.utils.clip_grad_norm_(params, 1e9)
-            norms.append(norm.full_tensor() if sharded else norm)
+            # fullshard's clipping of the model finds the sharded parameters also where the modules hold unsharded ones
+            norms.append(torch.stack([norm.full_tensor(), clip_grad_norm_(model, 1e9)]) if sharded else norm.repeat(2))
             opt.step()
             if sharded:  # the step registered the sharded parameters on the groups left unsharded
                 assert [id(p) for p in model.parameters()] == [id(p) for p in params]

@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from fullshard.collectives import reduce_scatter_single
 from fullshard.errors import UnsupportedError, UsageError, expect_module
+from fullshard.group import ShardedState
 from fullshard.optim import flat_runs
 from fullshard.param import sharded_axes
 from fullshard.runtime import TrainingState, states_in, take_over_changes
@@ -102,6 +103,14 @@ def _reduce_device(group: dist.ProcessGroup, device: torch.device) -> torch.devi
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else device
 
 
+def trained_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """``model.parameters()`` with the sharded parameter in place of each unsharded one a group registers while
+    unsharded (after a forward not back-propagated yet): the ones that hold the gradients."""
+    sharded = {id(sp.unsharded): sp.sharded for state in states_in(model) for group in state.groups
+               if group.state is not ShardedState.SHARDED for sp in group.params}
+    return [sharded.get(id(p), p) for p in model.parameters()]
+
+
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Clip the gradients of ``model`` so their total ``norm_type`` norm is at most ``max_norm``.
 
@@ -127,7 +136,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     # Local pieces by (mesh, axes they are sharded over); plain gradients under (None, ()).
     buckets: dict[tuple[DeviceMesh | None, tuple[int, ...]], list[torch.Tensor]] = {}
     # A whole group's gradients delivered as views of one flat buffer count as one tensor (zero padding).
-    runs, single = flat_runs([p for p in model.parameters() if p.grad is not None])
+    runs, single = flat_runs([p for p in trained_parameters(model) if p.grad is not None])
     for owner, _, flat_grad in runs:
         # The flat gradient sits where the flat shard does: it is sharded as the parameters are.
         key = owner.placement_key
