@@ -103,7 +103,7 @@ def _reduce_device(group: dist.ProcessGroup, device: torch.device) -> torch.devi
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else device
 
 
-def trained_parameters(model: nn.Module) -> list[nn.Parameter]:
+def trained_parameters(model: nn.Module) -> list[torch.Tensor]:
     """``model.parameters()`` with the sharded parameter in place of each unsharded one a group registers while
     unsharded (after a forward not back-propagated yet): the ones that hold the gradients."""
     sharded = {id(sp.unsharded): sp.sharded for state in states_in(model) for group in state.groups
