@@ -24,6 +24,7 @@ from fullshard import (
     OptimStateKeyType,
     full_optim_state_dict,
     full_state_dict,
+    fully_shard,
     load_full_optim_state_dict,
     rekey_optim_state_dict,
 )
@@ -383,3 +384,36 @@ def test_meta_device_init(world_size: int) -> None:
     run_ranks(world_size, _meta_init)
 
 
+
+
+def _user_state_dict_hooks(rank: int, world_size: int) -> None:
+    """Post-hooks registered on a sharded module before ``fully_shard`` see and change the sharded values, as on
+    the unsharded model and FSDP2: a cast to bf16 stays, a renamed entry is a live DTensor after the backward frees
+    the unsharded parameters; ``keep_vars=True`` gives the optimizer's parameters, also while unsharded."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 2))
+    seen: list[type] = []
+
+    def to_bf16_renamed(module: nn.Module, sd: dict[str, Any], prefix: str, metadata: Any) -> None:
+        seen.append(type(sd[prefix + "weight"]))
+        sd[prefix + "w"] = sd.pop(prefix + "weight").to(torch.bfloat16)
+
+    model[2].register_state_dict_post_hook(to_bf16_renamed)
+    fully_shard(model[0])
+    fully_shard(model, reshard_after_forward=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    expected = full_params(model)["2.weight"].to(torch.bfloat16)
+    loss = model(torch.randn(3, 8)).sum()  # the root's group stays unsharded until the backward
+    sd = model.state_dict()
+    held = model.state_dict(keep_vars=True)
+    loss.backward()
+    assert seen == [DTensor, DTensor]
+    assert "2.weight" not in sd and sd["2.w"].dtype == torch.bfloat16 and isinstance(sd["2.w"], DTensor)
+    torch.testing.assert_close(sd["2.w"].full_tensor(), expected)
+    params = opt.param_groups[0]["params"]  # 0.weight, 0.bias, 2.weight, 2.bias
+    assert all(a is b for a, b in zip([held["0.weight"], held["0.bias"], held["2.bias"]], [params[0], params[1], params[3]]))
+    assert all(type(held[name]) is DTensor and isinstance(held[name], nn.Parameter) for name in ("0.bias", "2.bias"))
+
+
+def test_user_state_dict_hooks_and_keep_vars() -> None:
+    run_ranks(2, _user_state_dict_hooks)

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import copy
 import functools
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -48,7 +49,9 @@ def register_state_dict_hooks(group: ParamGroup, members: tuple[nn.Module, ...])
                 continue
             hooked.add(module)
             entries = functools.partial(_entries, group, module)
-            module.register_state_dict_post_hook(_sharded_values(group, entries))
+            handle = module.register_state_dict_post_hook(_sharded_values(group, entries))
+            # First of the module's hooks: one registered before fully_shard sees (and may change) the sharded values.
+            cast(OrderedDict, module._state_dict_hooks).move_to_end(handle.id, last=False)
             module.register_load_state_dict_pre_hook(_to_local_shards(group, members[0], entries))
             module.register_load_state_dict_post_hook(_take_assigned(group, entries, members if module in members else None))
 
@@ -72,8 +75,9 @@ def _entries(group: ParamGroup, module: nn.Module) -> list[tuple[str, ShardedPar
 
 def _sharded_values(group: ParamGroup, entries: Callable[[], list[tuple[str, ShardedParam]]]):  # type: ignore[no-untyped-def]
     """The sharded parameters (also where a group is unsharded), their local tensors starting a storage of
-    their own ([Note: Own-storage views]). ``keep_vars=True`` keeps a registered sharded parameter itself, and
-    a tensor the user assigned after ``fully_shard`` (taken over at the next forward) stays what it is."""
+    their own ([Note: Own-storage views]). ``keep_vars=True`` gives the sharded parameter itself (also where
+    the unsharded one is registered), and a tensor the user assigned after ``fully_shard`` (taken over at the next
+    forward) stays what it is."""
     def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
         for name, p in entries():
             key = prefix + name
@@ -81,7 +85,9 @@ def _sharded_values(group: ParamGroup, entries: Callable[[], list[tuple[str, Sha
             if key not in state_dict or (registered is not p.sharded and registered is not p.unsharded
                                          and not group.summoned):  # summon_full_params' CPU copies are not the user's
                 continue
-            if state_dict[key] is not p.sharded:
+            if state_dict[key] is p.unsharded:  # keep_vars=True while unsharded: the parameter, as when sharded
+                state_dict[key] = p.sharded
+            elif state_dict[key] is not p.sharded:
                 state_dict[key] = p.state_dict_value()
 
     return hook
