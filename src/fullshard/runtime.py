@@ -384,7 +384,8 @@ class IterationContext:
         self.unsharded_left = False
         for state in self.states:
             for group in state.groups:
-                group.reshard(keep_storage=self.graph_kept)
+                if not group.summoned:  # (a step inside summon_full_params leaves it to the context's exit)
+                    group.reshard(keep_storage=self.graph_kept)
 
 
 _contexts: weakref.WeakSet[IterationContext] = weakref.WeakSet()
