@@ -1,4 +1,4 @@
-"""Gradient divisions: the reduced gradients equal torch's FSDP2 bit for bit in every reduce dtype.
+"""Gradient divisions: at 2 and 4 ranks the reduced gradients equal torch's FSDP2 bit for bit in every reduce dtype.
 
 fp16 divides part before the sum (a power of two) and the rest after, as torch's FSDP2 does, so the
 sum cannot overflow and the result rounds as FSDP2's does; fp32 and bf16 sum and divide once.

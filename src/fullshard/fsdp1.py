@@ -114,7 +114,7 @@ def trained_parameters(model: nn.Module) -> list[torch.Tensor]:
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Clip the gradients of ``model`` so their total ``norm_type`` norm is at most ``max_norm``.
 
-    Returns the total norm before clipping, as a 0-dim fp32 tensor, identical on
+    Returns the total norm before clipping, as a 0-dim fp32 tensor (float64 when a gradient is), identical on
     every rank and equal to the unsharded model's. Parameters without a gradient
     (frozen ones) are skipped; replicated gradients are counted once. Norms are
     taken with foreach kernels over the local shards, one all-reduce per mesh axis
@@ -153,21 +153,22 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
             buckets.setdefault((None, ()), []).append(grad)
     locals_ = [g for bucket in buckets.values() for g in bucket]
     device = locals_[0].device if locals_ else torch.device("cpu")
+    acc = torch.float64 if any(g.dtype in (torch.float64, torch.complex128) for g in locals_) else torch.float32
     # Per mesh: the buckets' partial norms are summed (max for inf) over every axis any of them is sharded
     # over; a bucket replicated along such an axis enters scaled by 1 / its size, so it counts once.
     per_mesh: dict[DeviceMesh | None, tuple[list[tuple[torch.Tensor, tuple[int, ...]]], set[int]]] = {}
     for (mesh, axes), bucket in buckets.items():
         nonempty = [g for g in bucket if g.numel()]  # a rank past the end of a parameter holds no rows
-        part = torch.zeros((), dtype=torch.float32, device=device)
+        part = torch.zeros((), dtype=acc, device=device)
         if nonempty:
-            norms = torch.stack([n.to(device) for n in _norms(nonempty, norm_type)])
+            norms = torch.stack([n.to(device, acc) for n in _norms(nonempty, norm_type)])
             part = norms.max() if infinite else norms.pow(norm_type).sum()
         parts, mesh_axes = per_mesh.get(mesh, ([], set()))
         parts.append((part, axes))
         per_mesh[mesh] = (parts, mesh_axes | set(axes))
-    total = torch.zeros((), dtype=torch.float32, device=device)
+    total = torch.zeros((), dtype=acc, device=device)
     for mesh, (parts, mesh_axes) in per_mesh.items():
-        part = torch.zeros((), dtype=torch.float32, device=device)
+        part = torch.zeros((), dtype=acc, device=device)
         for value, axes in parts:
             if infinite:
                 part = torch.maximum(part, value)
@@ -194,13 +195,13 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
 
 
 def _norms(grads: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
-    """fp32 norms of ``grads``: fp32 and narrower ones accumulated in fp32, float64 and complex ones in their own
+    """Norms of ``grads``: fp32 and narrower ones accumulated in fp32, float64 and complex ones in their own
     precision (a complex tensor's norm is real: that of its elements' magnitudes)."""
     own = [g.dtype == torch.float64 or g.is_complex() for g in grads]
     narrow = [g for g, keep in zip(grads, own) if not keep]
     wide = [g for g, keep in zip(grads, own) if keep]
     norms = list(torch._foreach_norm(narrow, norm_type, dtype=torch.float32)) if narrow else []
-    return norms + [n.float() for n in torch._foreach_norm(wide, norm_type)] if wide else norms
+    return norms + list(torch._foreach_norm(wide, norm_type)) if wide else norms
 
 
 def nonfinite_gradients(model: nn.Module) -> list[str]:
