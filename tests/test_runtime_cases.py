@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from fullshard import FSDPModule, clip_grad_norm_, fully_shard
 from fullshard import optim as fs_optim
@@ -309,6 +310,57 @@ def test_sharded_parameters_changed_while_unsharded(case: str, optimizer: str) -
     backward the sharded parameters are registered again, as after any backward (clipping ``model.parameters()``
     sees their gradients), and after every step."""
     run_ranks(2, _changed_while_unsharded, case, optimizer)
+
+
+class TiedHead(nn.Module):
+    """An embedding-like root layer whose weight the loss uses again after forward (a tied output head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Linear(4, 6, bias=False)
+        self.body = nn.Sequential(nn.Linear(6, 6), nn.Tanh())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(self.emb(x))
+
+
+def _other_step_before_backward(rank: int, world_size: int) -> None:
+    traces = []
+    for sharded in (False, True):
+        torch.manual_seed(0)
+        model, other = TiedHead(), nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 3))
+        if sharded:
+            fully_shard(model.body)
+            fully_shard(model)
+            fully_shard(other)
+        opt, other_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(other.parameters(), lr=0.1)
+        losses = []
+        for step in range(3):
+            xs = torch.randn(world_size, 4, generator=torch.Generator().manual_seed(step))
+            h = model(xs[rank:rank + 1] if sharded else xs)
+            per_row = (h @ model.emb.weight).square().mean(-1)  # the root's weight, saved outside its hooks
+            other(torch.randn(2, 3, generator=torch.Generator().manual_seed(9))).sum().backward()
+            other(torch.randn(2, 3)).sum()  # other's root stays unsharded: its own step reshards it
+            other_opt.step()  # another optimizer: the model's forward still waits for its backward
+            other_opt.zero_grad()
+            if sharded:
+                assert all(not isinstance(p, DTensor) for p in model.emb.parameters())  # not resharded by it
+                assert all(isinstance(p, DTensor) for p in other.parameters())
+            per_row.mean().backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(per_row[0 if sharded else rank].detach())
+        traces.append((losses, full_params(model), full_params(other)))
+    (ref_losses, ref_params, ref_other), (losses, params, other_params) = traces
+    torch.testing.assert_close(losses, ref_losses)
+    torch.testing.assert_close(params, ref_params)
+    torch.testing.assert_close(other_params, ref_other)
+
+
+def test_another_optimizer_steps_between_forward_and_backward() -> None:
+    """The step pre-hook reshards only the groups whose parameters the stepping optimizer holds: a model whose
+    forward waits for its backward keeps the unsharded parameters its graph saved outside the groups' hooks."""
+    run_ranks(2, _other_step_before_backward)
 
 
 def alternating_subsets(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

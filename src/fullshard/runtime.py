@@ -141,10 +141,10 @@ def in_backward() -> bool:
 # the new values. On every rank alike, as the step that wrote them ran on every rank. An
 # edit through `.data`, which autograd does not see either, is not noticed. FSDP2 trains
 # on with the values from before the step there. An optimizer step (a global step pre-hook,
-# outside backward) also reshards the groups a forward or backward left unsharded, so that
-# after it model.parameters(), a state dict or an EMA reading the modules see the stepped
-# sharded parameters; between the step and the next forward the check above is what
-# catches writes that are not optimizer steps.
+# outside backward) also reshards the groups a forward or backward left unsharded whose
+# parameters it steps (not another model's, whose forward may wait for its backward), so
+# that after it model.parameters(), a state dict or an EMA reading the modules see the
+# stepped sharded parameters; the check above catches writes that are not optimizer steps.
 
 
 # [Note: Changes after the first forward]
@@ -378,14 +378,18 @@ class IterationContext:
         self.unsharded_left = False
         self.streams.host_wait(self.streams.h2d_done)
 
-    def reshard_before_step(self) -> None:
-        """An optimizer step is about to write the sharded parameters: register them on every group left
-        unsharded ([Note: Sharded parameters changed while unsharded])."""
+    def reshard_before_step(self, stepped: set[int]) -> None:
+        """An optimizer step is about to write the sharded parameters with these ids: register them on the groups
+        left unsharded that hold one ([Note: Sharded parameters changed while unsharded])."""
         self.unsharded_left = False
         for state in self.states:
             for group in state.groups:
-                if not group.summoned:  # (a step inside summon_full_params leaves it to the context's exit)
+                if group.state is ShardedState.SHARDED:
+                    continue
+                # (a step inside summon_full_params leaves the group to the context's exit)
+                if not group.summoned and any(id(p.sharded) in stepped for p in group.params):
                     group.reshard(keep_storage=self.graph_kept)
+                self.unsharded_left |= group.state is not ShardedState.SHARDED
 
 
 _contexts: weakref.WeakSet[IterationContext] = weakref.WeakSet()
@@ -393,13 +397,18 @@ _contexts: weakref.WeakSet[IterationContext] = weakref.WeakSet()
 
 def reshard_before_step(opt: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """The global optimizer step pre-hook (registered at the first ``fully_shard``): groups that a forward (or a
-    backward keeping them) left unsharded register their sharded parameters. Not in a backward (an optimizer
-    step per parameter from its gradient hook), where groups are unsharded for the backward itself."""
+    backward keeping them) left unsharded and whose parameters this optimizer steps register their sharded
+    parameters. Only those: another model's forward may wait for its backward (a GAN's generator while the
+    discriminator steps), with unsharded parameters that its graph saved outside the groups' hooks (a tied head
+    used after forward). Not in a backward (an optimizer step per parameter from its gradient hook), where
+    groups are unsharded for the backward itself."""
     if torch.compiler.is_compiling() or in_backward():
         return
-    for ctx in list(_contexts):
-        if ctx.unsharded_left:
-            ctx.reshard_before_step()
+    pending = [ctx for ctx in _contexts if ctx.unsharded_left]
+    if pending:
+        stepped = {id(p) for group in opt.param_groups for p in group["params"]}
+        for ctx in pending:
+            ctx.reshard_before_step(stepped)
 
 
 def _following(order: list[HookState], depth: int) -> dict[HookState, list[HookState]]:
