@@ -216,11 +216,10 @@ class IterationContext:
         self.pending_reduces: list[PendingReduce] = []  # issued since the last drain, oldest first
         self.inputs_in_flight: deque[PendingReduce] = deque()  # whose reduce-scatter input is still held
         self.end_of_backward_queued = False
-        self.graph_kept = False  # a backward with create_graph=True left groups unsharded ([Note: Double backward])
+        self.graph_kept = False  # a create_graph=True backward's graph holds the unsharded buffers ([Note: Double backward])
         # A forward or backward since the last optimizer step may have left groups unsharded
         # ([Note: Sharded parameters changed while unsharded]).
         self.unsharded_left = False
-        _contexts.add(self)
         self.post_optim_event: torch.Event | None = None
         self.registrations_seen = -1  # registrations.count when the states were last checked
         # Implicit prefetch: how many groups ahead, and when in backward.
@@ -234,6 +233,7 @@ class IterationContext:
                                            g.post_forward.group if g.post_forward is not None else None)]
         )
         streams.monitor = self.monitor
+        _contexts.add(self)  # where the optimizer step pre-hook finds it (reshard_before_step)
 
     def start_forward(self) -> None:
         """The root's pre-forward: a new iteration's order begins."""
