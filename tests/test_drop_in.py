@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import functools
+from typing import Any
 
 import pytest
 import torch
@@ -96,6 +97,48 @@ def _torch_policies(rank: int, world_size: int) -> None:
     for step, (our_grads, their_grads) in enumerate(zip(ours.grads, theirs.grads, strict=True)):
         torch.testing.assert_close(their_grads, our_grads, rtol=0, atol=0, msg=lambda m: f"step {step}: {m}")
     torch.testing.assert_close(theirs.params, ours.params, rtol=0, atol=0)
+
+
+def _deepcopy_submodule(rank: int, world_size: int) -> None:
+    batches = random_batches(2, world_size, regression_batch)
+    outcomes = []
+    for policies in (fullshard, torch_fsdp):
+        torch.manual_seed(0)
+        model = MLP()  # layers.2: 3 rows, so an empty shard at 4 ranks
+        policies.fully_shard(model.layers[0])
+        policies.fully_shard(model)
+        seen: list[Any] = []
+        copies = [copy.deepcopy(model.layers[2])]  # before the first forward (EMA or teacher copies)
+        train(model, batches, mse_loss, rank=rank)  # ends with zero_grad(): no gradients to copy
+        copies.append(copy.deepcopy(model.layers[2]))
+        copies.append(copy.deepcopy(model.layers[0].weight))  # a parameter of a group of its own
+        for c in copies[:2]:
+            assert all(isinstance(p, DTensor) and p.placements == (Shard(0),) for p in c.parameters())
+            seen.append({n: p.full_tensor() for n, p in c.named_parameters()})
+        seen.append(copies[2].full_tensor())
+        with torch.no_grad():  # a moving average of the copy: its own memory
+            for mine, live in zip(copies[0].parameters(), model.layers[2].parameters()):
+                mine.lerp_(live, 0.5)
+        seen.append({n: p.full_tensor() for n, p in copies[0].named_parameters()})
+        seen.append({n: p.full_tensor() for n, p in model.named_parameters()})
+        model(batches[0][rank][0]).sum().backward()
+        with pytest.raises(RuntimeError) as with_grads:  # a gradient views the reduce-scatter output, as FSDP2's
+            copy.deepcopy(model.layers[2])
+        seen.append(type(with_grads.value))
+        outcomes.append(seen)
+    ours, theirs = outcomes
+    assert ours[4] != ours[5]
+    for mine, their in zip(ours, theirs, strict=True):
+        if isinstance(mine, type):
+            assert mine is their
+        else:
+            torch.testing.assert_close(mine, their, rtol=0, atol=0)
+
+
+def test_deepcopy_of_a_plain_submodule() -> None:
+    """``copy.deepcopy`` of a module or parameter inside a sharded model gives DTensor copies, as on FSDP2 (the
+    sharded parameters' local tensors start storages of their own: [Note: Own-storage views])."""
+    run_ranks(4, _deepcopy_submodule)
 
 
 def _list_group_without_root(rank: int, world_size: int) -> None:

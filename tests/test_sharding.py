@@ -37,14 +37,15 @@ def _placements(rank: int, world_size: int) -> None:
         chunks = original[name].chunk(world_size)
         expected = chunks[rank] if rank < len(chunks) else original[name][:0]
         torch.testing.assert_close(p.to_local(), expected, rtol=0, atol=0)
-    # Every parameter of a group is a view into that group's one flat shard buffer.
+    # Every parameter of a group is its rows of that group's one flat shard buffer, in a storage of its own.
     for module in (model, *model.blocks):
         state = state_of(module)
         assert state is not None and state.group is not None
-        flat = state.group.flat_shard
-        for p in state.group.params:
+        group = state.group
+        for p, chunk in zip(group.params, group.chunks(group.flat_shard)):
             local = p.sharded.to_local()
-            assert local.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr(), p.fqn
+            assert local.numel() == 0 or local.data_ptr() == p.local_rows(chunk).data_ptr(), p.fqn
+            assert local.storage_offset() == 0, p.fqn
 
 
 def shard_transformer_rest(model: nn.Module) -> None:

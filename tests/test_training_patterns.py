@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from tests.harness import run_ranks
 from tests.models import MLP, Transformer, lm_loss, mse_loss
 from tests.parity import (
     assert_parity,
+    full_params,
     random_batches,
     regression_batch,
     run_parity,
@@ -95,6 +97,53 @@ def _frozen(rank: int, world_size: int) -> None:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_frozen_parameters(world_size: int) -> None:
     run_ranks(world_size, _frozen)
+
+
+def _toggled_between_forward_and_backward(rank: int, world_size: int, freeze: bool, reshard: bool) -> None:
+    """``requires_grad_`` on parameters while the modules hold the unsharded ones (after a forward, before its
+    backward): the root's, and a block's kept unsharded (``reshard=False``) or gathered again for backward."""
+    names = ("layers.0.weight", "layers.1.weight", "layers.2.bias")
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        model = MLP()
+        for name in names:
+            model.get_parameter(name).requires_grad_(freeze)
+        return model
+
+    def step(model: nn.Module, opt: torch.optim.Optimizer, xs: list[Any], ys: list[Any], i: int) -> list[float]:
+        losses = [mse_loss(model, (x, y)) for x, y in zip(xs, ys)]
+        if i == 1:
+            for name in names:
+                model.get_parameter(name).requires_grad_(not freeze)
+        (sum(losses) / len(losses)).backward()
+        opt.step()
+        opt.zero_grad()
+        return [loss.item() for loss in losses]
+
+    batches = random_batches(4, world_size, regression_batch)
+    ref = make()
+    ref_opt = sgd_momentum(ref.parameters())
+    ref_losses = [step(ref, ref_opt, [b[0] for b in bs], [b[1] for b in bs], i) for i, bs in enumerate(batches)]
+    model = make()
+    fully_shard(model.layers[1], reshard_after_forward=reshard)
+    fully_shard(model.layers[2])
+    fully_shard(model)
+    opt = sgd_momentum(model.parameters())  # holds every parameter, frozen or not: they may be unfrozen
+    for i, bs in enumerate(batches):
+        (loss,) = step(model, opt, [bs[rank][0]], [bs[rank][1]], i)
+        torch.testing.assert_close(loss, ref_losses[i][rank], msg=lambda m: f"step {i}: {m}")
+    for name, p in model.named_parameters():
+        assert p.requires_grad == ref.get_parameter(name).requires_grad, name
+    torch.testing.assert_close(full_params(model), {n: p.detach() for n, p in ref.named_parameters()})
+
+
+@pytest.mark.parametrize("freeze", [True, False], ids=["freeze", "unfreeze"])
+@pytest.mark.parametrize("reshard", [True, False], ids=["resharded", "kept"])
+def test_requires_grad_changed_between_forward_and_backward(freeze: bool, reshard: bool) -> None:
+    """As on a plain module, the change holds from then on (FSDP2 drops it where the module holds the unsharded
+    parameter: the root's and ``reshard_after_forward=False`` groups' parameters train on frozen)."""
+    run_ranks(2, _toggled_between_forward_and_backward, freeze, reshard)
 
 
 # ---- buffers stay replicated --------------------------------------------------------------------

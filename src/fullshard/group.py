@@ -85,6 +85,16 @@ def promoted_dtype(dtypes: list[torch.dtype]) -> torch.dtype:
     return functools.reduce(torch.promote_types, promotable)
 
 
+def _views(local: torch.Tensor, rows: torch.Tensor) -> bool:
+    """Whether ``local`` (a sharded parameter's local tensor) reaches the memory of ``rows`` (its rows of the flat
+    shard buffer), directly or through an own-storage view ([Note: Own-storage views] in param.py)."""
+    if rows.device.type == "meta":  # no addresses: a view of the same storage at the same offset
+        return local.untyped_storage()._cdata == rows.untyped_storage()._cdata and local.storage_offset() == rows.storage_offset()
+    if rows.numel() == 0:
+        return local.numel() == 0
+    return local.data_ptr() == rows.data_ptr() and local.shape == rows.shape and local.stride() == rows.stride()
+
+
 class ParamGroup:
     """The parameters of one ``fully_shard`` call.
 
@@ -334,6 +344,7 @@ class ParamGroup:
     def _register_sharded(self) -> None:
         keep = self.keep_assigned
         for p in self.params:
+            p.keep_requires_grad_change()
             p.register(p.sharded, keep)
 
     def assigned_values(self) -> list[tuple[Any, torch.Tensor]]:
@@ -465,9 +476,7 @@ class ParamGroup:
         self.stale = False
         chunks = self.chunks(self.flat_shard) if self.flat_shard.numel() == self._flat_numel() else []
         if chunks and all(
-            loc.dtype == chunk.dtype and loc.device == self.flat_shard.device
-            and loc.untyped_storage().data_ptr() == self.flat_shard.untyped_storage().data_ptr()
-            and loc.storage_offset() == p.local_rows(chunk).storage_offset()
+            loc.dtype == chunk.dtype and loc.device == self.flat_shard.device and _views(loc, p.local_rows(chunk))
             for p, loc, chunk in zip(self.params, locals_, chunks)
         ):
             return  # linked already (a group kept unsharded stays so)
@@ -487,7 +496,7 @@ class ParamGroup:
         for p, loc, chunk in zip(self.params, locals_, self.chunks(flat)):
             if device.type != "meta":
                 p.local_rows(chunk).copy_(loc)
-            replacement = torch.nn.Parameter(p.as_dtensor_of(p.wrap_local(p.local_rows(chunk))),
+            replacement = torch.nn.Parameter(p.as_dtensor_of(p.shard_view(chunk)),
                                              requires_grad=p.sharded.requires_grad)
             grad = p.sharded.grad
             torch.utils.swap_tensors(p.sharded, replacement)  # swaps the gradient out too

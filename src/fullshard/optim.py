@@ -248,6 +248,7 @@ def _flat_views(owner: Any, members: list[torch.Tensor]) -> tuple[torch.Tensor, 
     # Each gradient must sit where its parameter sits in the flat shard, in one buffer: the address its
     # parameter's offset implies for the buffer's start is the same for all (checked against one storage below).
     dtype, size, base = flat.dtype, flat.element_size(), None
+    buffer_start = flat.untyped_storage().data_ptr()
     for sp in owner.params:
         grad = sp.sharded.grad
         if not isinstance(grad, DTensor):
@@ -255,11 +256,15 @@ def _flat_views(owner: Any, members: list[torch.Tensor]) -> tuple[torch.Tensor, 
         local, param = grad._local_tensor, sp.sharded._local_tensor
         if local.dtype != dtype or local.stride() != param.stride():
             return None
-        implied = local.data_ptr() - param.storage_offset() * size
+        if param.numel() == 0:
+            continue  # no rows here: nothing to place (an empty local tensor owns no memory of the buffer)
+        implied = local.data_ptr() - (param.data_ptr() - buffer_start)  # the parameter's byte offset in the buffer
         if base is None:
             base = implied
         elif implied != base:
             return None
+    if base is None:
+        return None
     first = owner.params[0].sharded.grad._local_tensor
     storage = first.untyped_storage()
     start = flat.storage_offset() * size + base - storage.data_ptr()

@@ -135,22 +135,25 @@ def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 # [Note: Own-storage views]
-# A group keeps its shards in one flat buffer, so each parameter's local tensor
-# but the first views that buffer at a storage offset. A DTensor wrapper takes
-# its local tensor's offset, and torch (2.13) tells a wrapper (no data of its
-# own) from a tensor with data by ``data_ptr() == 0``, which an offset breaks:
-# torch.save, copy.deepcopy and DCP's async_save staging then treat the wrapper
-# as holding data and raise ("invalid python storage"). They also copy whole
-# storages, so even the first parameter's value would carry the group's buffer.
-# What leaves fullshard for those - state dict values, the flat optimizer
-# state - therefore gets local tensors from own_storage_view: the same memory,
-# reached through a slice of the buffer's storage that holds exactly the
-# tensor's elements (the slice keeps the buffer alive and cannot be resized), so
-# they start at offset 0 as FSDP2's do, and changes through them (DCP's in-place
-# load) reach the parameters. A parameter keeps its state-dict view until its
-# local tensor is replaced (``ShardedParam.state_dict_view``; a re-link drops
-# it, since it holds the old buffer alive), so every state dict hands out the
-# same storages. Gradients stay views of the reduce-scatter output, as FSDP2's do.
+# A group keeps its shards in one flat buffer, so a plain view of each
+# parameter's rows would view that buffer at a storage offset. A DTensor wrapper
+# takes its local tensor's offset, and torch (2.13) tells a wrapper (no data of
+# its own) from a tensor with data by ``data_ptr() == 0``, which an offset
+# breaks: torch.save, copy.deepcopy (of a parameter, or of a plain submodule
+# holding one) and DCP's async_save staging then treat the wrapper as holding
+# data and raise ("invalid python storage"). They also copy whole storages, so
+# even the first parameter's value would carry the group's buffer. The sharded
+# parameters' local tensors, state dict values and the flat optimizer state
+# therefore come from own_storage_view: the same memory, reached through a
+# slice of the buffer's storage that holds exactly the tensor's elements (the
+# slice keeps the buffer alive and cannot be resized), so they start at offset
+# 0 as FSDP2's do, and changes through them (an optimizer's step, DCP's
+# in-place load) reach the flat buffer. Such a view has a version counter of
+# its own, apart from the buffer's (ParamGroup._shard_versions reads both). A
+# parameter keeps its state-dict view until its local tensor is replaced
+# (``ShardedParam.state_dict_view``; a re-link drops it, since it holds the old
+# buffer alive), so every state dict hands out the same storages. Gradients
+# stay views of the reduce-scatter output, as FSDP2's do.
 
 
 def own_storage_view(t: torch.Tensor) -> torch.Tensor:
@@ -387,6 +390,9 @@ class ShardedParam:
         self._specs: dict[torch.dtype, DTensorSpec] = {}  # see as_dtensor_of
         # The own-storage view state_dict_value hands out; None when the local tensor was replaced.
         self.state_dict_view: torch.Tensor | None = None
+        # requires_grad as the unsharded parameter was registered with (None: not registered since); see
+        # keep_requires_grad_change.
+        self._registered_requires_grad: bool | None = None
         self.sharded: DTensor = cast(DTensor, original)  # replaced by bind_shard
         self.unsharded: nn.Parameter = cast(nn.Parameter, original)  # replaced by bind_unsharded
 
@@ -481,9 +487,14 @@ class ShardedParam:
         cls, name, ctx = self.extension
         return cast(torch.Tensor, cls.__tensor_unflatten__({name: local}, ctx, local.shape, local.stride()))  # type: ignore[attr-defined]
 
+    def shard_view(self, padded_chunk: torch.Tensor) -> torch.Tensor:
+        """The sharded parameter's local tensor: its rows of ``padded_chunk`` (a chunk of the flat shard buffer)
+        through an own-storage view ([Note: Own-storage views])."""
+        return self.wrap_local(own_storage_view(self.local_rows(padded_chunk)))
+
     def bind_shard(self, padded_chunk: torch.Tensor, requires_grad: bool) -> None:
         with torch.no_grad():
-            local = self.wrap_local(self.local_rows(padded_chunk))
+            local = self.shard_view(padded_chunk)
             self.sharded = cast(DTensor, nn.Parameter(self.as_dtensor_of(local), requires_grad=requires_grad))
         # The parameter (a detached copy of the DTensor) has a spec of its own, equal to the cached one; gradients
         # share it, so that local optimizer steps find them sharded alike by identity (fullshard.local_step).
@@ -546,6 +557,16 @@ class ShardedParam:
             site.module._parameters[site.name] = cast(nn.Parameter, param)
 
     def register_unsharded(self, keep_assigned: bool = False) -> None:
+        self.keep_requires_grad_change()
         if self.unsharded.requires_grad != self.requires_grad:
             self.unsharded.requires_grad_(self.requires_grad)
+        self._registered_requires_grad = self.requires_grad
         self.register(self.unsharded, keep_assigned)
+
+    def keep_requires_grad_change(self) -> None:
+        """Carry a ``requires_grad_`` applied to the registered unsharded parameter (the module's parameter between
+        a forward and its backward: freezing or unfreezing there) over to the sharded one, unless the sharded one
+        was changed as well; on a plain module the change stays. Called before either is registered again."""
+        shown, self._registered_requires_grad = self._registered_requires_grad, None
+        if shown is not None and self.unsharded.requires_grad != shown and self.sharded.requires_grad == shown:
+            self.sharded.requires_grad_(self.unsharded.requires_grad)
