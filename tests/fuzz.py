@@ -139,6 +139,8 @@ class Case:
     jvp: bool = False  # the loss takes the output and its derivative along the input through torch.func.jvp
     metric: bool = False  # after each step's backward and clipping, before the step, a forward with grad enabled that
     # is never back-propagated (a training metric): groups that keep their values after forward hold them unsharded
+    toggle: bool = False  # the root's pre.weight and the last block's weight frozen at step 1 and unfrozen at step 2,
+    # each time between the last micro-batch's forward and its backward (the modules hold the root's unsharded then)
     comm: str = "none"  # FSDP2's communication settings on every module: none | separate_rs (reduce-scatter on a
     # process group of its own) | rs_buffers (2 reduce-scatter inputs in flight) | pg_alloc (buffers from the process
     # group's allocator) | all (the three)
@@ -179,7 +181,8 @@ class Case:
         the last micro-batch of HSDP's ``all_reduce_last``: FSDP2 never all-reduces the partial sums that the
         earlier micro-batches kept, so the block has no gradient that step (seed 106; run in the middle micro-batch
         only, seed 641). A metric forward where groups keep their values after forward: FSDP2's next forward
-        uses the values from before the step."""
+        uses the values from before the step. ``requires_grad_`` while the root holds its unsharded parameters:
+        FSDP2 drops the change at the reshard."""
         return (self.tie in ("none", "within") and not self.zero_numel and not self.strided and not self.reassign_later
                 and not self.scalar and not self.uneven1
                 and self.branch != "ranks" and not self.mixed_dtype and not self.complex and self.optim in ("sgd", "adamw")
@@ -188,7 +191,7 @@ class Case:
                 and not (self.reuse and (self.user == "reentrant" or (self.mp == "bf16" and (
                     self.accumulation > 1 or self.other_mesh != "none"))))
                 and not (self.all_reduce_last and (self.mp == "bf16" or self.branch in ("micro", "middle")))
-                and not (self.metric and self.reshard != "true"))
+                and not (self.metric and self.reshard != "true") and not self.toggle)
 
     @property
     def fsdp2_tolerance(self) -> dict[str, float]:
@@ -338,8 +341,17 @@ def _draw_rest(seed: int, kw: dict[str, Any]) -> Case:
         # get_state_dict gives the resumed optimizer state for every parameter: torch's DCP load then misses
         # keys with any model, sharded or not (seed 7597).
         kw["accumulation"] = 2
-    return _draw_metric(_draw_jvp(_draw_complex(_draw_comm(_draw_mesh(_draw_uneven(_draw_scalar(_draw_strided(_draw_later(
-        _draw_controls(_draw_start(_draw_user(_draw_more(Case(seed, **kw))))))))))))))
+    return _draw_toggle(_draw_metric(_draw_jvp(_draw_complex(_draw_comm(_draw_mesh(_draw_uneven(_draw_scalar(_draw_strided(_draw_later(
+        _draw_controls(_draw_start(_draw_user(_draw_more(Case(seed, **kw)))))))))))))))
+
+
+def _draw_toggle(case: Case) -> Case:
+    """``requires_grad_`` between a forward and its backward, from a stream of its own: fp32 (the bf16 reference
+    runs its forward and backward in one helper) without jvp (its backward comes from the transform) or activation
+    checkpoints (the recomputation then saves other tensors than the forward did: torch's checkpoint raises
+    unsharded too)."""
+    allowed = case.mp == "none" and not case.jvp and case.ac == "none" and case.user != "reentrant"
+    return dataclasses.replace(case, toggle=allowed and random.Random(f"toggle-{case.seed}").random() < 0.2)
 
 
 def _draw_metric(case: Case) -> Case:
@@ -973,6 +985,9 @@ def _step(case: Case, model: Net, opt: torch.optim.Optimizer, sched: Any, ema: A
             model.set_rank(case.data_rank(rank))
             loss = loss_of(model, per_rank[case.data_rank(rank)])
             step_losses.append([float(loss.detach())])
+        if case.toggle and last and step in (1, 2):
+            for p in (model.pre.weight, model.blocks[-1].lin.weight):
+                p.requires_grad_(step == 2)
         loss.backward()
     if rank is None and case.divide:  # the sharded runs divide the sum by twice the ranks
         for p in model.parameters():

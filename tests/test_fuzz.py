@@ -25,7 +25,7 @@ def test_draws_are_reproducible_and_varied() -> None:
                           ("method", {False, True}), ("mp_output", {False, True}), ("strided", {False, True}),
                           ("other_mesh", {"none", "hsdp", "replicated"}), ("complex", {False, True}),
                           ("branch", {"none", "steps", "ranks", "param_steps", "micro", "middle"}),
-                          ("keep_grads", {False, True})):
+                          ("keep_grads", {False, True}), ("toggle", {False, True})):
         assert {getattr(c, field) for c in cases} >= values, field
     assert sum(c.fsdp2_supported for c in cases) > CI_CASES // 5
     # a group that runs only in micro-batches without sync, beside torch's FSDP2 too

@@ -99,9 +99,12 @@ def test_frozen_parameters(world_size: int) -> None:
     run_ranks(world_size, _frozen)
 
 
-def _toggled_between_forward_and_backward(rank: int, world_size: int, freeze: bool, reshard: bool) -> None:
-    """``requires_grad_`` on parameters while the modules hold the unsharded ones (after a forward, before its
-    backward): the root's, and a block's kept unsharded (``reshard=False``) or gathered again for backward."""
+def _toggled_between_forward_and_backward(rank: int, world_size: int, freeze: bool, reshard: bool, micro: int,
+                                          before_forward: bool) -> None:
+    """``requires_grad_`` on parameters while the modules hold the unsharded ones (after the last micro-batch's
+    forward, before its backward): the root's, and a block's kept unsharded (``reshard=False``) or gathered again
+    for backward. With ``micro`` > 1 the earlier micro-batches accumulate without sync: what a frozen parameter
+    accumulated before stays its gradient for that step, as on a plain module."""
     names = ("layers.0.weight", "layers.1.weight", "layers.2.bias")
 
     def make() -> nn.Module:
@@ -111,39 +114,52 @@ def _toggled_between_forward_and_backward(rank: int, world_size: int, freeze: bo
             model.get_parameter(name).requires_grad_(freeze)
         return model
 
-    def step(model: nn.Module, opt: torch.optim.Optimizer, xs: list[Any], ys: list[Any], i: int) -> list[float]:
-        losses = [mse_loss(model, (x, y)) for x, y in zip(xs, ys)]
-        if i == 1:
-            for name in names:
-                model.get_parameter(name).requires_grad_(not freeze)
-        (sum(losses) / len(losses)).backward()
+    def step(model: nn.Module, opt: torch.optim.Optimizer, micro_batches: list[list[Any]], i: int) -> list[float]:
+        losses = []
+        for m, batches in enumerate(micro_batches):
+            if isinstance(model, FSDPModule):
+                model.set_requires_gradient_sync(m == len(micro_batches) - 1)
+            toggles = i == 1 and m == len(micro_batches) - 1
+            if toggles and before_forward:
+                for name in names:
+                    model.get_parameter(name).requires_grad_(not freeze)
+            micro_losses = [mse_loss(model, b) for b in batches]
+            if toggles and not before_forward:
+                for name in names:
+                    model.get_parameter(name).requires_grad_(not freeze)
+            (sum(micro_losses) / len(micro_losses) / len(micro_batches)).backward()
+            losses += [loss.item() for loss in micro_losses]
         opt.step()
         opt.zero_grad()
-        return [loss.item() for loss in losses]
+        return losses
 
-    batches = random_batches(4, world_size, regression_batch)
+    steps = [random_batches(micro, world_size, regression_batch, seed=i) for i in range(4)]  # [step][micro][rank]
     ref = make()
     ref_opt = sgd_momentum(ref.parameters())
-    ref_losses = [step(ref, ref_opt, [b[0] for b in bs], [b[1] for b in bs], i) for i, bs in enumerate(batches)]
+    ref_losses = [step(ref, ref_opt, micro_batches, i) for i, micro_batches in enumerate(steps)]
     model = make()
     fully_shard(model.layers[1], reshard_after_forward=reshard)
     fully_shard(model.layers[2])
     fully_shard(model)
     opt = sgd_momentum(model.parameters())  # holds every parameter, frozen or not: they may be unfrozen
-    for i, bs in enumerate(batches):
-        (loss,) = step(model, opt, [bs[rank][0]], [bs[rank][1]], i)
-        torch.testing.assert_close(loss, ref_losses[i][rank], msg=lambda m: f"step {i}: {m}")
+    for i, micro_batches in enumerate(steps):
+        losses = step(model, opt, [[bs[rank]] for bs in micro_batches], i)
+        torch.testing.assert_close(losses, ref_losses[i][rank::world_size], msg=lambda m: f"step {i}: {m}")
     for name, p in model.named_parameters():
         assert p.requires_grad == ref.get_parameter(name).requires_grad, name
     torch.testing.assert_close(full_params(model), {n: p.detach() for n, p in ref.named_parameters()})
 
 
+@pytest.mark.parametrize(("micro", "before_forward"), [(1, False), (2, False), (2, True)],
+                         ids=["step", "accumulated", "between-micro-batches"])
 @pytest.mark.parametrize("freeze", [True, False], ids=["freeze", "unfreeze"])
 @pytest.mark.parametrize("reshard", [True, False], ids=["resharded", "kept"])
-def test_requires_grad_changed_between_forward_and_backward(freeze: bool, reshard: bool) -> None:
+def test_requires_grad_changed_between_forward_and_backward(freeze: bool, reshard: bool, micro: int,
+                                                             before_forward: bool) -> None:
     """As on a plain module, the change holds from then on (FSDP2 drops it where the module holds the unsharded
-    parameter: the root's and ``reshard_after_forward=False`` groups' parameters train on frozen)."""
-    run_ranks(2, _toggled_between_forward_and_backward, freeze, reshard)
+    parameter: the root's and ``reshard_after_forward=False`` groups' parameters train on frozen), and a parameter
+    frozen after micro-batches without sync keeps what it accumulated as its gradient (as on FSDP2)."""
+    run_ranks(2, _toggled_between_forward_and_backward, freeze, reshard, micro, before_forward)
 
 
 # ---- buffers stay replicated --------------------------------------------------------------------

@@ -304,7 +304,9 @@ class GradReducer:
         group, settings = self.group, self.settings
         grads: list[torch.Tensor | None] = []
         for p in group.params:
-            grad = p.unsharded_grad() if p.requires_grad else None
+            # A parameter frozen since its gradient began to accumulate (between micro-batches, or between the last
+            # one's forward and backward) keeps what it accumulated, as on a plain module.
+            grad = p.unsharded_grad()
             if grad is None and p.requires_grad and settings.reduce_unused_params and p.accumulated_grad is None:
                 grad = torch.zeros(p.layout.shape, dtype=group.param_compute_dtype(p), device=group.device)
             if p.accumulated_grad is not None:
