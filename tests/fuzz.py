@@ -341,8 +341,11 @@ def _draw_rest(seed: int, kw: dict[str, Any]) -> Case:
         # get_state_dict gives the resumed optimizer state for every parameter: torch's DCP load then misses
         # keys with any model, sharded or not (seed 7597).
         kw["accumulation"] = 2
-    return _draw_toggle(_draw_metric(_draw_jvp(_draw_complex(_draw_comm(_draw_mesh(_draw_uneven(_draw_scalar(_draw_strided(_draw_later(
-        _draw_controls(_draw_start(_draw_user(_draw_more(Case(seed, **kw)))))))))))))))
+    case = Case(seed, **kw)
+    for more in (_draw_more, _draw_user, _draw_start, _draw_controls, _draw_later, _draw_strided, _draw_scalar,
+                 _draw_uneven, _draw_mesh, _draw_comm, _draw_complex, _draw_jvp, _draw_metric, _draw_toggle):
+        case = more(case)
+    return case
 
 
 def _draw_toggle(case: Case) -> Case:

@@ -120,14 +120,23 @@ def _deepcopy_submodule(rank: int, world_size: int) -> None:
             for mine, live in zip(copies[0].parameters(), model.layers[2].parameters()):
                 mine.lerp_(live, 0.5)
         seen.append({n: p.full_tensor() for n, p in copies[0].named_parameters()})
-        seen.append({n: p.full_tensor() for n, p in model.named_parameters()})
+        live = {n: p.full_tensor() for n, p in model.named_parameters()}
+        # The copy loads and changes alone: the hooks it took along act for the live modules only.
+        copies[1].load_state_dict({k: torch.full_like(v, 3.0) for k, v in copies[1].state_dict().items()})
+        with torch.no_grad():
+            copies[1].weight.mul_(2.0)
+        seen.append({n: p.full_tensor() for n, p in copies[1].named_parameters()})
+        torch.testing.assert_close({n: p.full_tensor() for n, p in model.named_parameters()}, live, rtol=0, atol=0)
+        seen.append(live)
         model(batches[0][rank][0]).sum().backward()
         with pytest.raises(RuntimeError) as with_grads:  # a gradient views the reduce-scatter output, as FSDP2's
             copy.deepcopy(model.layers[2])
         seen.append(type(with_grads.value))
         outcomes.append(seen)
     ours, theirs = outcomes
-    assert ours[4] != ours[5]
+    averaged, loaded, live = ours[3], ours[4], ours[5]
+    assert not torch.equal(averaged["weight"], live["layers.2.weight"])  # half way from the first copy's values
+    torch.testing.assert_close(loaded, {"weight": torch.full((3, 5), 6.0), "bias": torch.full((3,), 3.0)})
     for mine, their in zip(ours, theirs, strict=True):
         if isinstance(mine, type):
             assert mine is their

@@ -49,15 +49,27 @@ def register_state_dict_hooks(group: ParamGroup, members: tuple[nn.Module, ...])
                 continue
             hooked.add(module)
             entries = functools.partial(_entries, group, module)
-            handle = module.register_state_dict_post_hook(_sharded_values(group, entries))
+            handle = module.register_state_dict_post_hook(_only_on(module, _sharded_values(group, entries)))
             # First of the module's hooks: one registered before fully_shard sees (and may change) the sharded values.
             cast(OrderedDict, module._state_dict_hooks).move_to_end(handle.id, last=False)
-            module.register_load_state_dict_pre_hook(_to_local_shards(group, members[0], entries))
-            module.register_load_state_dict_post_hook(_take_assigned(group, entries, members if module in members else None))
+            module.register_load_state_dict_pre_hook(_only_on(module, _to_local_shards(group, members[0], entries)))
+            module.register_load_state_dict_post_hook(
+                _only_on(module, _take_assigned(group, entries, members if module in members else None)))
 
     group.on_new_sites = hook_modules
     hook_modules(list({site.module: None for p in group.params for site in p.sites} | dict.fromkeys(members)))
     members[0].register_state_dict_pre_hook(_take_over_first)
+
+
+def _only_on(owner: nn.Module, hook: Callable[..., None]) -> Callable[..., None]:
+    """``hook``, run only for ``owner``: ``copy.deepcopy`` of a plain submodule of a sharded model copies its hooks
+    too, and the copy (a plain module of ``DTensor`` copies, as on FSDP2) must not load into, reshard or read the
+    live group."""
+    def guarded(module: nn.Module, *args: Any) -> None:
+        if module is owner:
+            hook(module, *args)
+
+    return guarded
 
 
 def _take_over_first(module: nn.Module, prefix: str, keep_vars: bool) -> None:
