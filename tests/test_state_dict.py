@@ -112,8 +112,8 @@ def _saved_per_rank(rank: int, world_size: int, directory: str, make_optim: str)
     ref_trace = train(ref, batches, lm_loss, rank=None, make_optim=optims[make_optim])
     trace = train(model, batches[:2], lm_loss, rank=rank, make_optim=optims[make_optim])
     assert trace.optim is not None
-    flats = {p.to_local().untyped_storage().data_ptr() - p.to_local().data_ptr() for p in model.parameters()}
-    assert flats == {0}  # each local tensor starts its storage, though most lie inside their group's buffer
+    starts = {p.to_local().untyped_storage().data_ptr() - p.to_local().data_ptr() for p in model.parameters()}
+    assert starts == {0}  # each local tensor starts its storage, though most lie inside their group's buffer
     # Each value starts a storage of its own, and the same one in every state dict (DCP's async stager caches
     # its host copies by storage).
     # torch.save and deepcopy copy whole storages: each holds exactly its value's elements.
