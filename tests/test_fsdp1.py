@@ -74,6 +74,12 @@ def _summon(rank: int, world_size: int) -> None:
 
     with summon_full_params(model, offload_to_cpu=True):
         assert all(p.device.type == "cpu" and type(p) is nn.Parameter for p in model.parameters())
+    # requires_grad_ inside holds after the context, as on a plain module (on the full parameters and their CPU copies)
+    for offload in (False, True):
+        for frozen in (True, False):
+            with summon_full_params(model, offload_to_cpu=offload):
+                model.blocks[0].mlp[0].weight.requires_grad_(not frozen)
+            assert model.blocks[0].mlp[0].weight.requires_grad is not frozen, (offload, frozen)
 
     lm_loss(model, batches[1][rank]).backward()
     (sum(lm_loss(ref, b) for b in batches[1]) / world_size).backward()

@@ -848,6 +848,9 @@ class ParamGroup:
         """Leave ``summon`` (after ``write_back_summoned`` on every group)."""
         held_grads = self._held_grads or [p.unsharded.grad for p in self.params]  # (summon raised before this group)
         for p, held in zip(self.params, held_grads, strict=True):
+            shown = p.sites[0].module._parameters.get(p.sites[0].name)
+            if shown is not None and shown is not p.unsharded and id(shown) in self._summoned:
+                p.unsharded.requires_grad_(shown.requires_grad)  # a CPU copy's requires_grad_ carries over
             p.unsharded.grad = held
             p.register(p.sharded)  # over the summoned copies, which resharding would leave as if assigned
         self._held_grads = []
