@@ -8,6 +8,7 @@ two are compared bit for bit (the frameworks that start this way: torchtitan, to
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from fullshard import fully_shard
+from fullshard import CPUOffloadPolicy, fully_shard
 from fullshard.gpt import Block, GPTConfig, lm_loss
 from tests.harness import run_ranks
 from tests.parity import assert_parity, full_params, random_batches, token_batch, train
@@ -182,6 +183,60 @@ def _converted_after_training(rank: int, world_size: int) -> None:
     model.load_state_dict(saved)
     torch.testing.assert_close(full_params(model), full_params(ref), rtol=0, atol=0)
     _parity(rank, world_size, ref, model, steps=2)
+
+
+def _partly_on_meta(rank: int, world_size: int) -> None:
+    """A group some of whose parameters are on meta (a submodule moved there before ``fully_shard``): the others
+    keep their values until the group is materialised; a forward before names the meta ones; ``to_empty`` (then
+    init), ``load_state_dict(assign=True)`` and a broadcast from rank 0 each make it train as the unsharded model
+    (FSDP2 takes ``to_empty``, bit for bit, and raises ``AttributeError`` on the assign)."""
+    def partly_meta(shard: Callable[..., Any] = fully_shard, **kwargs: Any) -> Llama:
+        model = Llama()
+        model.reset_parameters()
+        model.layers[0].mlp.to("meta")
+        return shard_llama(model, functools.partial(shard, **kwargs))
+
+    model = partly_meta()
+    ref = _reference()
+    sd = model.state_dict()
+    for name, value in sd.items():
+        assert value.device.type == ("meta" if name.startswith("layers.0.mlp.") else "cpu"), name
+        if not name.startswith("layers.0.mlp."):
+            torch.testing.assert_close(value.full_tensor(), ref.state_dict()[name], rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match=r"still on meta device: \['layers.0.mlp.0.weight', 'layers.0.mlp.0.bias', "
+                       r"'layers.0.mlp.2.weight', 'layers.0.mlp.2.bias'\]"):
+        model(torch.zeros(2, CFG.seq_len, dtype=torch.long))
+
+    for kwargs in ({}, {"offload_policy": CPUOffloadPolicy(pin_memory=False)}):
+        model = partly_meta(**kwargs)
+        model.to_empty(device="cpu")
+        model.reset_parameters()
+        _parity(rank, world_size, _reference(), model)
+
+    model = partly_meta()
+    model.load_state_dict(_reference().state_dict(), assign=True)
+    _parity(rank, world_size, _reference(), model)
+
+    model = partly_meta()
+    full_sd = _reference().state_dict() if rank == 0 else {}
+    set_model_state_dict(model, full_sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    _parity(rank, world_size, _reference(), model)
+
+    traces = []
+    for shard in (torch_fully_shard, fully_shard):
+        model = partly_meta(shard)
+        model.to_empty(device="cpu")
+        torch.manual_seed(7)
+        model.init_weights()
+        batches = random_batches(2, world_size, token_batch)
+        traces.append(train(model, batches, lm_loss, rank=rank, make_optim=lambda p: torch.optim.AdamW(p, lr=1e-2)))
+    assert torch.equal(torch.stack(traces[0].losses), torch.stack(traces[1].losses))
+    for name, value in traces[0].params.items():
+        assert torch.equal(traces[1].params[name], value), name
+
+
+def test_group_partly_on_meta() -> None:
+    run_ranks(2, _partly_on_meta)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -226,6 +226,13 @@ def _manual(rank: int, world_size: int) -> None:
     y = model(x)  # forward after a manual unshard uses the unsharded parameters
     y.sum().backward()
     assert all(isinstance(p, DTensor) and p.grad is not None for p in model.parameters())
+    handle.wait()  # again, once the group was used and resharded: nothing to do (as on FSDP2)
+    # A handle waited on only after the forward and backward that used the group (a prefetch whose wait comes late)
+    late = layer.unshard(async_op=True)
+    model(x).sum().backward()
+    late.wait()
+    late.wait()
+    assert all(isinstance(p, DTensor) for p in model.parameters())
 
 
 def test_manual_unshard_reshard() -> None:

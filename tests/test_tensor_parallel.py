@@ -248,6 +248,7 @@ def _bad_tp(rank: int, world_size: int) -> str:
     lin.weight = nn.Parameter(distribute_tensor(lin.weight.detach(), mesh, [Shard(0)]))
     with pytest.raises(ValueError, match="already a DTensor on the mesh fully_shard shards over") as err:
         fully_shard(lin, mesh=mesh)
+    assert isinstance(err.value, TypeError)  # FSDP2's type
     assert not isinstance(lin, fullshard.FSDPModule)
     return str(err.value)
 

@@ -162,6 +162,34 @@ def test_requires_grad_changed_between_forward_and_backward(freeze: bool, reshar
     run_ranks(2, _toggled_between_forward_and_backward, freeze, reshard, micro, before_forward)
 
 
+def _submodule_before_root(rank: int, world_size: int) -> None:
+    """A sharded submodule trained on its own before the root's first forward (pretraining the first layer), and
+    again between the whole model's steps: each step as on the unsharded model (FSDP2 raises ``RuntimeError`` at
+    the root's first forward: "FSDP requires running forward through the root module first")."""
+    torch.manual_seed(0)
+    ref = MLP()
+    model = MLP()
+    model.load_state_dict(ref.state_dict())
+    shard_mlp(model)
+    opt, ref_opt = sgd_momentum(model.parameters()), sgd_momentum(ref.parameters())
+    batches = random_batches(5, world_size, regression_batch)
+    first = lambda m, b: m.layers[0](b[0]).square().mean()  # noqa: E731
+    for i, step_batches in enumerate(batches):
+        loss_fn = first if i in (0, 3) else mse_loss
+        loss = loss_fn(model, step_batches[rank])
+        loss.backward()
+        (sum(loss_fn(ref, b) for b in step_batches) / world_size).backward()
+        torch.testing.assert_close(loss, loss_fn(ref, step_batches[rank]), msg=lambda m: f"step {i}: {m}")
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    torch.testing.assert_close(full_params(model), {n: p.detach() for n, p in ref.named_parameters()})
+
+
+def test_submodule_trained_before_the_root() -> None:
+    run_ranks(2, _submodule_before_root)
+
+
 # ---- buffers stay replicated --------------------------------------------------------------------
 
 

@@ -439,10 +439,6 @@ def _check_params(
             )
         if p.device.type != "meta":
             check_param_device(fqn, p.device, device)
-    devices = {p.device.type == "meta" for p in params}
-    if len(devices) > 1:
-        on_meta = [fqns[p] for p in params if p.device.type == "meta"]
-        raise ValueError(f"some parameters of one fully_shard group are on the meta device and some are not: {on_meta}")
 
 
 def _check_tensor_parallel(param: DTensor, fqn: str, mesh_info: MeshInfo) -> None:
@@ -454,7 +450,7 @@ def _check_tensor_parallel(param: DTensor, fqn: str, mesh_info: MeshInfo) -> Non
             f"DTensor and {mesh_info.mesh.device_type} for FSDP (parameter {fqn!r})"
         )
     if tp_mesh == mesh_info.mesh or set(tp_mesh.mesh_dim_names or ()) & set(mesh_info.mesh.mesh_dim_names or ()):
-        raise ValueError(
+        raise ShardedElsewhereError(
             f"parameter {fqn!r} is already a DTensor on the mesh fully_shard shards over ({tp_mesh}); a DTensor "
             "parameter must be tensor parallel, on other axes of the same mesh (e.g. mesh['tp'] beside mesh['dp'])"
         )
@@ -868,15 +864,18 @@ class FSDPModule:
 class UnshardHandle(_TorchUnshardHandle):
     """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` completes the all-gather.
 
-    A subclass of torch's ``UnshardHandle``, so checks written for FSDP2 accept it.
+    A subclass of torch's ``UnshardHandle``, so checks written for FSDP2 accept it. As on FSDP2, waiting again, or
+    after a forward completed the all-gather (and the group was resharded since), does nothing.
     """
 
     def __init__(self, state: HookState) -> None:
-        self._state = state
+        self._state: HookState | None = state
 
     def wait(self) -> None:
-        for group in self._state.groups:
-            group.wait_for_unshard()
+        state, self._state = self._state, None
+        for group in state.groups if state is not None else ():
+            if group.state is ShardedState.UNSHARDING:
+                group.wait_for_unshard()
 
 
 def _reduce_settings(module: nn.Module, recurse: bool) -> list[ReduceSettings]:

@@ -50,8 +50,8 @@ class ReduceDtypeError(DtypeError, TypeError):
 
 
 class ShardedElsewhereError(ValueError, TypeError):
-    """``fully_shard`` on a module whose parameter another call has sharded already, e.g. a child after its parent
-    (FSDP2 raises ``TypeError``)."""
+    """``fully_shard`` on a module whose parameter is sharded over the mesh already: by another call (a child after
+    its parent), or as a ``DTensor`` on that mesh itself (FSDP2 raises ``TypeError``)."""
 
 
 def expect_bool(where: str, name: str, value: object) -> bool:

@@ -170,13 +170,18 @@ class ParamGroup:
         self.storage_kept = False
 
         # Parameters on the meta device (deferred initialisation) get a meta flat shard
-        # buffer; `FSDPModule.to_empty()` / `_apply` re-link them to real memory.
-        on_meta = originals[0].device.type == "meta"
+        # buffer; `FSDPModule.to_empty()` / `_apply` re-link them to real memory. Where only
+        # some are (a module moved to meta before fully_shard), the others keep their values
+        # in chunks of their own: the group starts stale ([Note: Converting a group]).
+        on_meta = any(original.device.type == "meta" for original in originals)
         with torch.no_grad():
             self.flat_shard = self._new_flat_shard(orig_dtype, torch.device("meta") if on_meta else self.shard_device,
                                                    torch.empty, pin=self.pin_memory and not on_meta)
             for p, original, chunk in zip(params, originals, self.chunks(self.flat_shard)):
-                if not on_meta:
+                if original.device.type != "meta":
+                    if on_meta:
+                        chunk = torch.empty_like(chunk, device=self.shard_device)
+                        self.stale = True
                     p.fill_shard(original.detach(), chunk)
                 p.bind_shard(chunk, requires_grad=original.requires_grad)
             self._bind_unsharded_buffer()
