@@ -8,7 +8,7 @@ and a schedule (gradient accumulation with sync toggles, evaluation passes on al
 manual ``unshard()``, torch's or fullshard's SGD / AdamW, param groups splitting fullshard groups, an lr
 scheduler, clipping, EMA, a DCP checkpoint saved mid-run and loaded at another world size), how the model
 starts (built on the meta device and initialised after sharding, shard by shard or from rank 0's full state
-dict), a weight re-assigned as a ``DTensor`` after ``fully_shard``, explicit forward / backward prefetching, a
+dict; or with only the root's first layer on meta), a weight re-assigned as a ``DTensor`` after ``fully_shard``, explicit forward / backward prefetching, a
 block applied twice per forward and non-reentrant activation checkpoints inside or around the sharded blocks, and
 FSDP2's finer controls (2-D weights sharded on dim 1, 1-D parameters on a mesh of their own through a
 ``ShardPlacementResult``, ``set_reshard_after_backward(False)`` and
@@ -141,6 +141,8 @@ class Case:
     # is never back-propagated (a training metric): groups that keep their values after forward hold them unsharded
     toggle: bool = False  # the root's pre.weight and the last block's weight frozen at step 1 and unfrozen at step 2,
     # each time between the last micro-batch's forward and its backward (the modules hold the root's unsharded then)
+    meta_part: bool = False  # with a meta start: the model built with values and only the root's first layer moved
+    # to meta before fully_shard, so the root's group starts partly on meta (its other parameters keep values)
     comm: str = "none"  # FSDP2's communication settings on every module: none | separate_rs (reduce-scatter on a
     # process group of its own) | rs_buffers (2 reduce-scatter inputs in flight) | pg_alloc (buffers from the process
     # group's allocator) | all (the three)
@@ -346,9 +348,17 @@ def _draw_rest(seed: int, kw: dict[str, Any]) -> Case:
         kw["accumulation"] = 2
     case = Case(seed, **kw)
     for more in (_draw_more, _draw_user, _draw_start, _draw_controls, _draw_later, _draw_strided, _draw_scalar,
-                 _draw_uneven, _draw_mesh, _draw_comm, _draw_complex, _draw_jvp, _draw_metric, _draw_toggle):
+                 _draw_uneven, _draw_mesh, _draw_comm, _draw_complex, _draw_jvp, _draw_metric, _draw_toggle,
+                 _draw_meta_part):
         case = more(case)
     return case
+
+
+def _draw_meta_part(case: Case) -> Case:
+    """Half the meta starts with the root's group partly on meta, from a stream of its own (not with ties: moving one
+    module of a tie to meta would untie it)."""
+    allowed = case.init != "plain" and case.tie == "none"
+    return dataclasses.replace(case, meta_part=allowed and random.Random(f"meta_part-{case.seed}").random() < 0.5)
 
 
 def _draw_toggle(case: Case) -> Case:
@@ -656,6 +666,10 @@ def build(case: Case) -> Net:
 
 
 def build_on_meta(case: Case) -> Net:
+    if case.meta_part:
+        model = build(case)
+        model.pre.to("meta")
+        return model
     with torch.device("meta"):
         model = Net(case)
     if case.mixed_dtype:

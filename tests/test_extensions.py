@@ -231,3 +231,25 @@ def test_packed_all_gather_with_an_unaligned_custom_allocation() -> None:
 @pytest.mark.parametrize("world_size,reshard_after_forward", [(2, True), (4, False)])
 def test_tensor_subclass_all_gather_hooks_parity(world_size: int, reshard_after_forward: bool) -> None:
     run_ranks(world_size, _subclass_parity, reshard_after_forward)
+
+
+def _subclass_to_empty(rank: int, world_size: int) -> None:
+    """``to_empty()`` after sharding a model that has real values (then a load), with a shard of no rows (the last
+    layer's 3 rows on 4 ranks): every rank keeps the subclass, and it trains as the unsharded model."""
+    def shard(model: nn.Module) -> None:
+        values = {k: v.clone() for k, v in model.state_dict().items()}
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                layer.weight = nn.Parameter(RowInt8Weight(layer.weight.detach().clone()))
+                fully_shard(layer)
+        fully_shard(model)
+        model.to_empty(device="cpu")
+        model.load_state_dict(values)
+
+    _, model = run_parity(rank, world_size, qmlp, shard, regression_batch, mse_loss, steps=3, rtol=1e-5, atol=1e-6)
+    assert all(isinstance(layer.weight.to_local(), RowInt8Weight) for layer in model if isinstance(layer, nn.Linear))
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_tensor_subclass_kept_through_to_empty(world_size: int) -> None:
+    run_ranks(world_size, _subclass_to_empty)

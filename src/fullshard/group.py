@@ -482,6 +482,8 @@ class ParamGroup:
         chunks = self.chunks(self.flat_shard) if self.flat_shard.numel() == self._flat_numel() else []
         if chunks and all(
             loc.dtype == chunk.dtype and loc.device == self.flat_shard.device and _views(loc, p.local_rows(chunk))
+            # (a conversion of an empty shard may have unwrapped an all-gather extension's subclass)
+            and (p.extension is None or isinstance(p.sharded.to_local(), p.extension[0]))
             for p, loc, chunk in zip(self.params, locals_, chunks)
         ):
             return  # linked already (a group kept unsharded stays so)
