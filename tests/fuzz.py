@@ -8,8 +8,8 @@ and a schedule (gradient accumulation with sync toggles, evaluation passes on al
 manual ``unshard()``, torch's or fullshard's SGD / AdamW, param groups splitting fullshard groups, an lr
 scheduler, clipping, EMA, a DCP checkpoint saved mid-run and loaded at another world size), how the model
 starts (built on the meta device and initialised after sharding, shard by shard or from rank 0's full state
-dict; or with only the root's first layer on meta), a weight re-assigned as a ``DTensor`` after ``fully_shard``, explicit forward / backward prefetching, a
-block applied twice per forward and non-reentrant activation checkpoints inside or around the sharded blocks, and
+dict; or with only the root's first layer on meta), a weight re-assigned as a ``DTensor`` after ``fully_shard``,
+explicit forward / backward prefetching, a block applied twice per forward and non-reentrant activation checkpoints inside or around the sharded blocks, and
 FSDP2's finer controls (2-D weights sharded on dim 1, 1-D parameters on a mesh of their own through a
 ``ShardPlacementResult``, ``set_reshard_after_backward(False)`` and
 ``set_is_last_backward(False)`` between micro-batches,
@@ -184,8 +184,9 @@ class Case:
         earlier micro-batches kept, so the block has no gradient that step (seed 106; run in the middle micro-batch
         only, seed 641). A metric forward where groups keep their values after forward, or where an explicit forward
         prefetch gathers the last block and the metric forward then skips it: FSDP2's next forward uses the values
-        from before the step (seed 3133: a step-1 loss 2.5e-3 off; fullshard within the fp32 tolerance of the reference). ``requires_grad_`` while the root holds its unsharded parameters:
-        FSDP2 drops the change at the reshard."""
+        from before the step (seed 3133: a step-1 loss 2.5e-3 off; fullshard within the fp32 tolerance of the
+        reference). ``requires_grad_`` while the root holds its unsharded parameters: FSDP2 drops the change at the
+        reshard."""
         return (self.tie in ("none", "within") and not self.zero_numel and not self.strided and not self.reassign_later
                 and not self.scalar and not self.uneven1
                 and self.branch != "ranks" and not self.mixed_dtype and not self.complex and self.optim in ("sgd", "adamw")
