@@ -9,7 +9,8 @@ manual ``unshard()``, torch's or fullshard's SGD / AdamW, param groups splitting
 scheduler, clipping, EMA, a DCP checkpoint saved mid-run and loaded at another world size), how the model
 starts (built on the meta device and initialised after sharding, shard by shard or from rank 0's full state
 dict; or with only the root's first layer on meta), a weight re-assigned as a ``DTensor`` after ``fully_shard``,
-explicit forward / backward prefetching, a block applied twice per forward and non-reentrant activation checkpoints inside or around the sharded blocks, and
+explicit forward / backward prefetching, a block applied twice per forward and non-reentrant activation
+checkpoints inside or around the sharded blocks, and
 FSDP2's finer controls (2-D weights sharded on dim 1, 1-D parameters on a mesh of their own through a
 ``ShardPlacementResult``, ``set_reshard_after_backward(False)`` and
 ``set_is_last_backward(False)`` between micro-batches,
