@@ -14,8 +14,8 @@ from fullshard.group import ShardedState
 from fullshard.runtime import state_of
 from tests.comm import CommRecorder
 from tests.harness import run_ranks
-from tests.models import Transformer, lm_loss
-from tests.parity import run_parity, token_batch
+from tests.models import MLP, Transformer, lm_loss, mse_loss
+from tests.parity import full_params, random_batches, regression_batch, run_parity, sgd_momentum, token_batch
 from tests.test_runtime_cases import SideBlock
 
 
@@ -254,3 +254,36 @@ def _reset_drops_accumulated(rank: int, world_size: int, mixed: bool) -> None:
 @pytest.mark.parametrize("mixed", [False, True])
 def test_reset_iter_state_drops_gradients_accumulated_without_sync(mixed: bool) -> None:
     run_ranks(2, _reset_drops_accumulated, mixed)
+
+
+def _uneven_micro_batch_counts(rank: int, world_size: int) -> None:
+    """Ranks running different numbers of micro-batches (dynamic batching), where the parameters stay unsharded
+    between them (``reshard_after_forward=False``, ``set_reshard_after_backward`` on the last only), so the extra
+    ones issue no collectives: trains as the unsharded model on all micro-batches of all ranks, with no false
+    divergence alarm (each rank's sum of micro-batch losses, averaged over the ranks)."""
+    torch.manual_seed(0)
+    ref, model = MLP(), MLP()
+    model.load_state_dict(ref.state_dict())
+    for layer in model.layers:
+        fully_shard(layer, reshard_after_forward=False)
+    fully_shard(model, reshard_after_forward=False)
+    opt, ref_opt = sgd_momentum(model.parameters()), sgd_momentum(ref.parameters())
+    counts = [[3, 1], [1, 4], [2, 2]]  # [step][rank]
+    batches = random_batches(len(counts), 4 * world_size, regression_batch)
+    for step, per_rank in enumerate(counts):
+        for r, n in enumerate(per_rank):
+            for m in range(n):
+                (mse_loss(ref, batches[step][4 * r + m]) / world_size).backward()
+        for m in range(per_rank[rank]):
+            last = m == per_rank[rank] - 1
+            model.set_requires_gradient_sync(last)
+            model.set_reshard_after_backward(last)
+            mse_loss(model, batches[step][4 * rank + m]).backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    torch.testing.assert_close(full_params(model), {n: p.detach() for n, p in ref.named_parameters()})
+
+
+def test_ranks_run_different_numbers_of_micro_batches() -> None:
+    run_ranks(2, _uneven_micro_batch_counts)

@@ -235,8 +235,8 @@ def all_gather(
         # `work.wait()` orders the waiter after the collective, but not after the copy-in when no collective
         # runs (one rank, no elements): the event covers that (and states the order to stream checkers).
         issued = streams.record()
-    return PendingCollective(work, output, (inp, output), issued=issued, what=f"all-gather of group {label!r}", group=group,
-                             ticket=ticket)
+    return PendingCollective(work, output, (inp, output), issued=issued, what=f"all-gather of {failures.group_name(label)}",
+                             group=group, ticket=ticket)
 
 
 def _gather_output(inp: torch.Tensor, world_size: int, comm: Any) -> torch.Tensor:
@@ -341,7 +341,7 @@ def all_gather_packed(
         del tensors
         work, ticket = _issue_all_gather(inp, output, group, label, comm, streams)
         issued = streams.record()
-    return PendingCollective(work, output, (inp, output), issued=issued, what=f"all-gather of group {label!r}",
+    return PendingCollective(work, output, (inp, output), issued=issued, what=f"all-gather of {failures.group_name(label)}",
                              group=group, ticket=ticket, parts=tuple(parts))
 
 
@@ -382,7 +382,7 @@ def reduce_scatter(
         else:
             output = torch.empty(inp.shape[1], dtype=inp.dtype, device=inp.device)
             work = reduce_scatter_single(output, inp.view(-1), op=op, group=group, async_op=True)
-    pending = PendingCollective(work, output, (inp, output), what=f"reduce-scatter of group {label!r}", group=group,
+    pending = PendingCollective(work, output, (inp, output), what=f"reduce-scatter of {failures.group_name(label)}", group=group,
                                 ticket=ticket)
     return _ordered(pending, streams)
 
@@ -397,7 +397,7 @@ def all_reduce(
     with profiled("all_reduce", label):
         ticket = streams.issued("all-reduce", label, tensor.numel(), group)
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op is None else op, group=group, async_op=True)
-    pending = PendingCollective(work, tensor, (tensor,), what=f"all-reduce of group {label!r}", group=group,
+    pending = PendingCollective(work, tensor, (tensor,), what=f"all-reduce of {failures.group_name(label)}", group=group,
                                 ticket=ticket)
     return _ordered(pending, streams)
 
@@ -407,7 +407,7 @@ def broadcast(tensor: torch.Tensor, group: dist.ProcessGroup, streams: CommStrea
     with profiled("broadcast", label):
         ticket = streams.issued("broadcast", label, tensor.numel(), group)
         work = dist.broadcast(tensor, group_src=0, group=group, async_op=True)
-    pending = PendingCollective(work, tensor, (tensor,), what=f"broadcast of group {label!r}", group=group,
+    pending = PendingCollective(work, tensor, (tensor,), what=f"broadcast of {failures.group_name(label)}", group=group,
                                 ticket=ticket)
     return _ordered(pending, streams)
 

@@ -45,7 +45,9 @@ hang on the device); a rank set that appears later (a module on another mesh
 taken over after training started) gets its track at its first collective,
 which every rank of the set is about to issue.
 
-- *End checks*: at the end of each backward, every track that issued
+- *End checks*: at the end of each backward with gradient sync (one without
+  reduces nothing, and ranks may run different numbers of those where they
+  issue no collectives: its collectives join the next segment), every track that issued
   collectives since its last check compares (end, count, CRC) over its ranks
   in one 24-byte-per-rank all-gather; a forward with no backward (evaluation,
   inference) is checked the same way at the next root forward. So an
@@ -78,7 +80,8 @@ have read it (the store may live in its process).
 A rank waiting on the host longer than ``POLL_S`` looks in the store between
 slices of the wait. Before each end check a rank posts, under one key per rank
 and track, the check's number and its collective count; a long wait posts
-which collective it waits in (removed when the wait ends). When a peer
+which collective it waits in (emptied when the wait ends; a look reads every peer's keys in one
+store operation). When a peer
 finished the same segment with fewer collectives, or waits in another
 collective at the same place, the rank posts the verdict and raises; the peer
 reads it in its own wait. A rank waiting in an end check raises the same way
@@ -108,10 +111,18 @@ import torch.distributed as dist
 
 HEARTBEAT_S = 1.0
 POLL_S = 1.0  # host waits longer than this look for failures between slices
-KNOWN_SCHEDULES = 4
+KNOWN_SCHEDULES = 16
 _BEFORE, _END = 0, 1  # what a row compares: the next collective, or the whole segment
 _timeout_s = 300.0  # a process-wide setting, like init_process_group's timeout
-_monitor_numbers = itertools.count()  # roots are initialised in one order on every rank: their store keys agree
+# The roots over one set of ranks (their meshes' ranks) are initialised in one order on each of those ranks, so
+# numbering them per set makes their store keys agree, also where some ranks build more roots (a model over half
+# of the ranks beside one over all of them).
+_monitor_numbers: dict[tuple[int, ...], itertools.count[int]] = {}
+
+
+def group_name(label: str) -> str:
+    """How messages name a group: its module's qualified name (the root's is empty)."""
+    return f"group {label!r}" if label else "the root's group"
 
 
 class DivergenceError(RuntimeError):
@@ -191,10 +202,12 @@ class Ticket:
 class Monitor:
     """One root's divergence checks and host-wait watch ([Note: Divergence check]); no-op without a store."""
 
-    def __init__(self, groups: list[dist.ProcessGroup | None]) -> None:
+    def __init__(self, groups: list[dist.ProcessGroup | None], scope: tuple[int, ...]) -> None:
+        """``scope``: every rank of the root's meshes (the same on each of them)."""
         self.store = _store()
-        self.number = next(_monitor_numbers)
-        self.key = f"{_prefix()}m{self.number}/"
+        unique = {id(g): g for g in groups if g is not None and dist.get_backend(g) != "fake"}
+        self.number = next(_monitor_numbers.setdefault(scope, itertools.count()))
+        self.key = f"{_prefix()}m{zlib.crc32(str(scope).encode()):08x}-{self.number}/"
         self.tracks: dict[dist.ProcessGroup, Track | None] = {}
         self.forward_open = False  # a root forward ran since the last end of backward
         self.waiting: tuple[Ticket, float] | None = None  # the host wait in progress, since when
@@ -202,7 +215,6 @@ class Monitor:
         self.raised: set[str] = set()  # verdicts this monitor raised (a posted one is news only once)
         if self.store is None:
             return
-        unique = {id(g): g for g in groups if g is not None and dist.get_backend(g) != "fake"}
         by_ranks: dict[tuple[int, ...], Track] = {}
         # One creation order on every rank (sorted rank sets), so creations that wait on each other never cycle.
         for g in sorted(unique.values(), key=lambda g: tuple(dist.get_process_group_ranks(g))):
@@ -223,6 +235,10 @@ class Monitor:
     def _new_track(self, ranks: tuple[int, ...], group: dist.ProcessGroup) -> Track:
         """A track over ``ranks``, with a gloo backend of its own (every rank of the set builds it at once)."""
         key = f"{self.key}t{zlib.crc32(str(ranks).encode()):08x}/"
+        # This rank's end-check and wait keys exist from the start (a wait that ends empties its key), so a look
+        # reads every peer's in one store operation; the backend's rendezvous below waits for every peer's too.
+        self.store.set(f"{key}done/{dist.get_rank()}", "-1 -1")
+        self.store.set(f"{key}wait/{dist.get_rank()}", "")
         backend = dist.ProcessGroupGloo(dist.PrefixStore(key + "pg/", self.store), ranks.index(dist.get_rank()),
                                         len(ranks), datetime.timedelta(seconds=_timeout_s))
         return Track(ranks, group, backend, dist.get_backend(group) == "gloo", key)
@@ -259,14 +275,14 @@ class Monitor:
                     track = self._new_track(ranks, group)
                 except RuntimeError as err:  # a peer never came: it died, or runs other code
                     dead, behind, sentence = diagnose(group)
-                    raise RankFailureError(f"fullshard: the check of the first {kind} of group {label!r} on rank "
+                    raise RankFailureError(f"fullshard: the check of the first {kind} of {group_name(label)} on rank "
                                            f"{dist.get_rank()} found no peers within {_timeout_s:g} s: {sentence}",
                                            tuple(dead or behind)) from err
             self.tracks[group] = track
         track = self.tracks[group]
         if track is None:
             return None
-        entry = f"{kind} of group {label!r} ({numel} elements)"
+        entry = f"{kind} of {group_name(label)} ({numel} elements)"
         data = entry.encode()
         track.entries.append(entry)
         track.crc = zlib.crc32(data, track.crc)
@@ -285,8 +301,12 @@ class Monitor:
             self._end_segments()
         self.forward_open = True
 
-    def end_backward(self) -> None:
-        self._end_segments()
+    def end_backward(self, synced: bool = True) -> None:
+        """The end of a backward; ``synced``: no group of the root had gradient sync switched off. A backward without
+        sync issues no reductions, and ranks may run different numbers of them (micro-batches whose unsharded
+        parameters stay, so that they issue no collectives at all): its segment goes on to the next one."""
+        if synced:
+            self._end_segments()
         self.forward_open = False
 
     def _end_segments(self) -> None:
@@ -299,6 +319,8 @@ class Monitor:
         differ; otherwise the list is known and a new segment starts."""
         entries, crc = track.entries, track.crc
         self._compare(Ticket(self, track, "end", len(entries)), (_END, len(entries), crc), "the divergence check")
+        if self.raised:  # every rank of the track agreed again after a divergence: its verdict is history
+            self._clear_verdict()
         verified = tuple(entries)
         if verified in track.known:
             track.known.remove(verified)
@@ -346,16 +368,30 @@ class Monitor:
                 message = store.compare_set(f"{self.key}verdict", "", message).decode()
                 # Wait (bounded) until every rank has it too: the store may live in this process (rank 0 of a
                 # local launch), and ranks that are still computing read it at their next wait.
-                seen = f"{self.key}seen/"
-                store.set(f"{seen}{dist.get_rank()}", f"{zlib.crc32(message.encode())}")
+                seen, crc = f"{self.key}seen/", f"{zlib.crc32(message.encode())}"
+                store.set(f"{seen}{dist.get_rank()}", crc)
                 everyone = [f"{seen}{rank}" for rank in range(dist.get_world_size())]
                 deadline = time.monotonic() + 2.5 * POLL_S
-                while not store.check(everyone) and time.monotonic() < deadline:
+                while time.monotonic() < deadline and not (
+                        store.check(everyone) and all(v.decode() == crc for v in store.multi_get(everyone))):
                     time.sleep(0.05)
             except Exception:  # the store is gone: the job is ending
                 pass
         self.raised.add(message)
+        for track in dict.fromkeys(self.tracks.values()):  # a caller that catches it starts comparing afresh
+            if track is not None:
+                track.known.clear()
+                track.restart()
         return DivergenceError(message)
+
+    def _clear_verdict(self) -> None:
+        if self.store is not None:
+            try:
+                for message in self.raised:
+                    self.store.compare_set(f"{self.key}verdict", message, "")
+            except Exception:  # the store is gone
+                pass
+        self.raised.clear()
 
     def posted_verdict(self) -> str | None:
         try:
@@ -363,7 +399,7 @@ class Monitor:
             message = self.store.get(key).decode() if self.store is not None and self.store.check([key]) else None
         except Exception:  # the store is gone
             return None
-        return None if message in self.raised else message
+        return None if not message or message in self.raised else message
 
     def publish_wait(self, ticket: Ticket) -> None:
         """Say in the store where this rank waits: in collective #index (or the check before it), or in the
@@ -381,7 +417,7 @@ class Monitor:
             return
         self.published.discard(track)
         try:
-            self.store.delete_key(f"{track.key}wait/{dist.get_rank()}")
+            self.store.set(f"{track.key}wait/{dist.get_rank()}", "")
         except Exception:  # the store is gone: the job is ending
             pass
 
@@ -402,17 +438,16 @@ class Monitor:
             return set()
         mine = track.entries[index]
         found: set[tuple[int, str]] = set()
-        for rank in track.ranks:
-            if rank == me:
-                continue
-            done_key, waiting_key = f"{track.key}done/{rank}", f"{track.key}wait/{rank}"
-            if store.check([done_key]):
-                checks, count = map(int, store.get(done_key).decode().split())
-                if checks == track.checks and count <= index:
-                    self._raise(f"rank {rank} finished its iteration after {count} collectives, while rank {me} "
-                                f"waits in #{index + 1}, {mine}")
-            if store.check([waiting_key]):
-                checks_text, index_text, entry = store.get(waiting_key).decode().split(" ", 2)
+        peers = [rank for rank in track.ranks if rank != me]
+        values = [v.decode() for v in store.multi_get([f"{track.key}{what}/{rank}" for what in ("done", "wait")
+                                                       for rank in peers])]
+        for rank, done, waiting in zip(peers, values[:len(peers)], values[len(peers):]):
+            checks, count = map(int, done.split())
+            if checks == track.checks and count <= index:
+                self._raise(f"rank {rank} finished its iteration after {count} collectives, while rank {me} "
+                            f"waits in #{index + 1}, {mine}")
+            if waiting:
+                checks_text, index_text, entry = waiting.split(" ", 2)
                 theirs = int(index_text)
                 # A peer legitimately waits in an earlier collective of the same list (a third rank is slow);
                 # one past this rank's list is for that peer to judge.
@@ -431,11 +466,11 @@ class Monitor:
         (e.g. this rank abandoned a backward by catching its exception; the peer, blocked in a reduce-scatter,
         cannot look itself: its wait was posted for it)."""
         me = dist.get_rank()
-        for rank in track.ranks:
-            waiting_key = f"{track.key}wait/{rank}"
-            if rank == me or not self.store.check([waiting_key]):
+        peers = [rank for rank in track.ranks if rank != me]
+        for rank, waiting in zip(peers, self.store.multi_get([f"{track.key}wait/{rank}" for rank in peers])):
+            if not waiting:
                 continue
-            checks_text, index_text, entry = self.store.get(waiting_key).decode().split(" ", 2)
+            checks_text, index_text, entry = waiting.decode().split(" ", 2)
             if int(checks_text) == track.checks and int(index_text) >= count:
                 self._raise(f"rank {me} finished its iteration after {count} collectives, while rank {rank} waits "
                             f"in #{int(index_text) + 1}, {entry}")

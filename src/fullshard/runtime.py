@@ -230,7 +230,8 @@ class IterationContext:
         groups = [group for state in states for group in state.groups]
         self.monitor = failures.Monitor(
             [pg for g in groups for pg in (g.mesh_info.shard_group, g.mesh_info.replicate_group,
-                                           g.post_forward.group if g.post_forward is not None else None)]
+                                           g.post_forward.group if g.post_forward is not None else None)],
+            tuple(sorted({r for g in groups for r in g.mesh_info.mesh.mesh.flatten().tolist()})),
         )
         streams.monitor = self.monitor
         _contexts.add(self)  # where the optimizer step pre-hook finds it (reshard_before_step)
@@ -339,7 +340,7 @@ class IterationContext:
         self.streams.host_wait(self.streams.h2d_done)  # the optimizer may write the pinned shards next
         self.streams.shards_written()
         self.end_of_backward_queued = False
-        self.monitor.end_backward()
+        self.monitor.end_backward(all(g.reducer.settings.requires_gradient_sync for s in self.states for g in s.groups))
         if self.registrations_seen != registrations.count:  # a tie made during the step names a parameter
             _unsharded_to_sharded([g for s in self.states for g in s.groups])  # resharded now
 
