@@ -516,3 +516,30 @@ def _root_over_some_ranks(rank: int, world_size: int) -> list[float]:
 def test_a_root_over_some_of_the_ranks_beside_one_over_all() -> None:
     results = run_ranks(4, _root_over_some_ranks, timeout=90)
     assert all(len(r) == 2 for r in results), results
+
+
+def _one_group_never_synced(rank: int, world_size: int) -> list[int]:
+    """A group whose gradient sync stays off (reduced by hand, local SGD) beside groups that reduce every step: the
+    backwards that reduce still end the segments, so the lists stay one iteration long."""
+    from fullshard import failures
+
+    lengths = []
+    real = failures.Monitor._end_check
+
+    def recording(monitor: Any, track: Any) -> None:
+        lengths.append(len(track.entries))
+        real(monitor, track)
+
+    failures.Monitor._end_check = recording  # type: ignore[method-assign]
+    model = sharded_blocks(30)
+    model.blocks[0].set_requires_gradient_sync(False, recurse=False)
+    x = torch.randn(4, 8)
+    for _ in range(4):
+        model(x, [0, 1, 2]).sum().backward()
+    return lengths
+
+
+def test_a_group_never_synced_leaves_the_checks_per_step() -> None:
+    lengths = run_ranks(2, _one_group_never_synced, timeout=90)
+    assert lengths[0] == lengths[1] and len(lengths[0]) == 4 and len(set(lengths[0])) == 1, lengths
+

@@ -118,6 +118,8 @@ _timeout_s = 300.0  # a process-wide setting, like init_process_group's timeout
 # numbering them per set makes their store keys agree, also where some ranks build more roots (a model over half
 # of the ranks beside one over all of them).
 _monitor_numbers: dict[tuple[int, ...], itertools.count[int]] = {}
+# Likewise the tracks over one rank set (a module taken over later may add a track over ranks beyond the scope).
+_track_numbers: dict[tuple[int, ...], itertools.count[int]] = {}
 
 
 def group_name(label: str) -> str:
@@ -179,6 +181,7 @@ class Track:
     key: str  # store prefix of this track's keys
     entries: list[str] = field(default_factory=list)
     crc: int = 0
+    reduced: bool = False  # the segment holds a reduce-scatter or an all-reduce
     checks: int = 0  # end checks done; numbers the current segment
     known: list[tuple[str, ...]] = field(default_factory=list)  # verified lists, newest last
     candidates: list[tuple[str, ...]] = field(default_factory=list)  # known lists this segment has followed
@@ -186,6 +189,7 @@ class Track:
     def restart(self) -> None:
         self.entries = []
         self.crc = 0
+        self.reduced = False
         self.candidates = list(self.known)
 
 
@@ -206,6 +210,7 @@ class Monitor:
         """``scope``: every rank of the root's meshes (the same on each of them)."""
         self.store = _store()
         unique = {id(g): g for g in groups if g is not None and dist.get_backend(g) != "fake"}
+        self.scope = scope
         self.number = next(_monitor_numbers.setdefault(scope, itertools.count()))
         self.key = f"{_prefix()}m{zlib.crc32(str(scope).encode()):08x}-{self.number}/"
         self.tracks: dict[dist.ProcessGroup, Track | None] = {}
@@ -234,7 +239,7 @@ class Monitor:
 
     def _new_track(self, ranks: tuple[int, ...], group: dist.ProcessGroup) -> Track:
         """A track over ``ranks``, with a gloo backend of its own (every rank of the set builds it at once)."""
-        key = f"{self.key}t{zlib.crc32(str(ranks).encode()):08x}/"
+        key = f"{_prefix()}t{zlib.crc32(str(ranks).encode()):08x}-{next(_track_numbers.setdefault(ranks, itertools.count()))}/"
         # This rank's end-check and wait keys exist from the start (a wait that ends empties its key), so a look
         # reads every peer's in one store operation; the backend's rendezvous below waits for every peer's too.
         self.store.set(f"{key}done/{dist.get_rank()}", "-1 -1")
@@ -286,6 +291,7 @@ class Monitor:
         data = entry.encode()
         track.entries.append(entry)
         track.crc = zlib.crc32(data, track.crc)
+        track.reduced |= kind in ("reduce-scatter", "all-reduce")
         index = len(track.entries) - 1
         if track.precheck:
             following = [known for known in track.candidates if index < len(known) and known[index] == entry]
@@ -302,10 +308,11 @@ class Monitor:
         self.forward_open = True
 
     def end_backward(self, synced: bool = True) -> None:
-        """The end of a backward; ``synced``: no group of the root had gradient sync switched off. A backward without
-        sync issues no reductions, and ranks may run different numbers of them (micro-batches whose unsharded
-        parameters stay, so that they issue no collectives at all): its segment goes on to the next one."""
-        if synced:
+        """The end of a backward; ``synced``: no group of the root had gradient sync switched off. A backward
+        without sync that reduced nothing (ranks may run different numbers of those: micro-batches whose unsharded
+        parameters stay issue no collectives at all) does not end the segments: they go on to the next backward.
+        (Decided from the settings and the lists, which agree on every rank that runs the same code.)"""
+        if synced or any(t is not None and t.reduced for t in self.tracks.values()):
             self._end_segments()
         self.forward_open = False
 
@@ -319,8 +326,6 @@ class Monitor:
         differ; otherwise the list is known and a new segment starts."""
         entries, crc = track.entries, track.crc
         self._compare(Ticket(self, track, "end", len(entries)), (_END, len(entries), crc), "the divergence check")
-        if self.raised:  # every rank of the track agreed again after a divergence: its verdict is history
-            self._clear_verdict()
         verified = tuple(entries)
         if verified in track.known:
             track.known.remove(verified)
@@ -365,15 +370,21 @@ class Monitor:
         store = self.store
         if store is not None:
             try:
-                message = store.compare_set(f"{self.key}verdict", "", message).decode()
+                key = f"{self.key}verdict"
+                posted = store.compare_set(key, "", message).decode()
+                if posted in self.raised:  # an earlier divergence's, which every rank raised or moved past
+                    posted = store.compare_set(key, posted, message).decode()
+                message = posted
                 # Wait (bounded) until every rank has it too: the store may live in this process (rank 0 of a
                 # local launch), and ranks that are still computing read it at their next wait.
                 seen, crc = f"{self.key}seen/", f"{zlib.crc32(message.encode())}"
                 store.set(f"{seen}{dist.get_rank()}", crc)
-                everyone = [f"{seen}{rank}" for rank in range(dist.get_world_size())]
+                everyone = [f"{seen}{rank}" for rank in self.scope]
                 deadline = time.monotonic() + 2.5 * POLL_S
-                while time.monotonic() < deadline and not (
-                        store.check(everyone) and all(v.decode() == crc for v in store.multi_get(everyone))):
+                while time.monotonic() < deadline:
+                    if store.check(everyone) and all(v.decode() == crc for v in store.multi_get(everyone)):
+                        store.compare_set(key, message, "")  # every rank has it: the next divergence posts anew
+                        break
                     time.sleep(0.05)
             except Exception:  # the store is gone: the job is ending
                 pass
@@ -383,15 +394,6 @@ class Monitor:
                 track.known.clear()
                 track.restart()
         return DivergenceError(message)
-
-    def _clear_verdict(self) -> None:
-        if self.store is not None:
-            try:
-                for message in self.raised:
-                    self.store.compare_set(f"{self.key}verdict", message, "")
-            except Exception:  # the store is gone
-                pass
-        self.raised.clear()
 
     def posted_verdict(self) -> str | None:
         try:
@@ -439,8 +441,10 @@ class Monitor:
         mine = track.entries[index]
         found: set[tuple[int, str]] = set()
         peers = [rank for rank in track.ranks if rank != me]
-        values = [v.decode() for v in store.multi_get([f"{track.key}{what}/{rank}" for what in ("done", "wait")
-                                                       for rank in peers])]
+        keys = [f"{track.key}{what}/{rank}" for what in ("done", "wait") for rank in peers]
+        if not store.check(keys):  # a peer has not built this track yet (TORCH_GLOO_LAZY_INIT: no rendezvous)
+            return set()
+        values = [v.decode() for v in store.multi_get(keys)]
         for rank, done, waiting in zip(peers, values[:len(peers)], values[len(peers):]):
             checks, count = map(int, done.split())
             if checks == track.checks and count <= index:
@@ -467,7 +471,8 @@ class Monitor:
         cannot look itself: its wait was posted for it)."""
         me = dist.get_rank()
         peers = [rank for rank in track.ranks if rank != me]
-        for rank, waiting in zip(peers, self.store.multi_get([f"{track.key}wait/{rank}" for rank in peers])):
+        keys = [f"{track.key}wait/{rank}" for rank in peers]
+        for rank, waiting in zip(peers, self.store.multi_get(keys) if self.store.check(keys) else []):
             if not waiting:
                 continue
             checks_text, index_text, entry = waiting.decode().split(" ", 2)
