@@ -45,9 +45,10 @@ hang on the device); a rank set that appears later (a module on another mesh
 taken over after training started) gets its track at its first collective,
 which every rank of the set is about to issue.
 
-- *End checks*: at the end of each backward with gradient sync (one without
-  reduces nothing, and ranks may run different numbers of those where they
-  issue no collectives: its collectives join the next segment), every track that issued
+- *End checks*: at the end of each backward that reduced, or that ran with
+  gradient sync on for every group (a backward without sync that reduced
+  nothing joins the next segment: ranks may run different numbers of those
+  where they issue no collectives), every track that issued
   collectives since its last check compares (end, count, CRC) over its ranks
   in one 24-byte-per-rank all-gather; a forward with no backward (evaluation,
   inference) is checked the same way at the next root forward. So an
@@ -80,9 +81,8 @@ have read it (the store may live in its process).
 A rank waiting on the host longer than ``POLL_S`` looks in the store between
 slices of the wait. Before each end check a rank posts, under one key per rank
 and track, the check's number and its collective count; a long wait posts
-which collective it waits in (emptied when the wait ends; a look reads every peer's keys in one
-store operation). When a peer
-finished the same segment with fewer collectives, or waits in another
+which collective it waits in (emptied when the wait ends; a look reads every
+peer's keys in one store operation). When a peer finished the same segment with fewer collectives, or waits in another
 collective at the same place, the rank posts the verdict and raises; the peer
 reads it in its own wait. A rank waiting in an end check raises the same way
 when a peer waits in a collective past the end of its segment (it abandoned a
