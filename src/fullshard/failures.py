@@ -82,8 +82,8 @@ A rank waiting on the host longer than ``POLL_S`` looks in the store between
 slices of the wait. Before each end check a rank posts, under one key per rank
 and track, the check's number and its collective count; a long wait posts
 which collective it waits in (emptied when the wait ends; a look reads every
-peer's keys in one store operation). When a peer finished the same segment with fewer collectives, or waits in another
-collective at the same place, the rank posts the verdict and raises; the peer
+peer's keys in one store operation). When a peer finished the same segment
+with fewer collectives, or waits in another collective at the same place, the rank posts the verdict and raises; the peer
 reads it in its own wait. A rank waiting in an end check raises the same way
 when a peer waits in a collective past the end of its segment (it abandoned a
 backward by catching its exception, say): that peer may be blocked in gloo's
