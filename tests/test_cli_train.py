@@ -163,20 +163,28 @@ def one_line_error(done: subprocess.CompletedProcess[str]) -> str:
     return lines[0]
 
 
-def test_bad_input_is_one_line(tmp_path: Path, corpus: Path, uninterrupted: Path) -> None:
-    assert "data path /nonexistent/text does not exist" in one_line_error(fullshard("train", "--data", "/nonexistent/text"))
+def test_bad_input_is_one_line(
+    tmp_path: Path, corpus: Path, uninterrupted: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def here(*args: str) -> str:
+        """Input rejected before any rank starts: the command's main in this process (``python -m`` costs an import)."""
+        from fullshard.cli import main
+
+        code = main(["train", *args])
+        return one_line_error(subprocess.CompletedProcess(args, code, "", capsys.readouterr().err))
+
+    assert "data path /nonexistent/text does not exist" in here("--data", "/nonexistent/text")
     tiny = tmp_path / "tiny.txt"
     tiny.write_text("too short")
-    assert "has 9 bytes; sequences of 32 need at least 66" in one_line_error(
-        fullshard("train", "--data", str(tiny), *TINY))
-    assert "--batch-size 1 (the global batch) does not split evenly over 2 ranks" in one_line_error(
-        fullshard("train", "--data", str(corpus), *TINY, "--batch-size", "1"))
-    assert "impossible model shape: GPTConfig: dim 30 is not divisible by n_heads 4" in one_line_error(
-        fullshard("train", "--data", str(corpus), "--dim", "30", "--heads", "4"))
+    assert "has 9 bytes; sequences of 32 need at least 66" in here("--data", str(tiny), *TINY)
+    assert "--batch-size 1 (the global batch) does not split evenly over 2 ranks" in here(
+        "--data", str(corpus), *TINY, "--batch-size", "1")
+    assert "impossible model shape: GPTConfig: dim 30 is not divisible by n_heads 4" in here(
+        "--data", str(corpus), "--dim", "30", "--heads", "4")
     config = tmp_path / "bad.toml"
     config.write_text("layers = 2\nlearning_rate = 0.1\n")
-    bad_key = one_line_error(fullshard("train", "--config", str(config)))
-    assert f"unknown option 'learning_rate' in config file {config}" in bad_key
+    assert f"unknown option 'learning_rate' in config file {config}" in here("--config", str(config))
+    # Raised on the ranks, reported by the launcher: the whole command.
     other = one_line_error(fullshard("train", "--data", str(corpus), "--out", str(uninterrupted), "--resume", "--steps", "8",
                                      *TINY, "--layers", "3"))
     assert "cannot resume: checkpoint" in other and "missing keys [model.blocks.2." in other
