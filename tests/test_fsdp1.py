@@ -119,6 +119,78 @@ def test_summon_full_params(world_size: int) -> None:
     run_ranks(world_size, _summon)
 
 
+def _summon_shows_what_trains(rank: int, world_size: int, policy: str) -> None:
+    """Under a mixed-precision or quantized-communication policy the context shows the fp32 sharded values, an
+    empty context changes nothing and with_grads gives the fp32 gradients; edits are written back in fp32."""
+    torch.manual_seed(0)
+    model = Transformer()
+    kwargs = ({"mp_policy": fullshard.MixedPrecisionPolicy(param_dtype=torch.bfloat16)} if policy == "bf16"
+              else {"comm_policy": fullshard.QuantizedCommPolicy()})
+    for block in model.blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    batches = random_batches(2, world_size, token_batch)
+    train(model, batches[:1], lm_loss, rank=rank)
+    before = full_params(model)
+    lm_loss(model, batches[1][rank]).backward()
+    grads = full_grads(model)
+    with summon_full_params(model, with_grads=True):
+        for name, p in model.named_parameters():
+            assert p.dtype == torch.float32 and p.grad is not None and p.grad.dtype == torch.float32, name
+            assert torch.equal(p.detach(), before[name]), name
+            assert torch.equal(p.grad, grads[name]), name
+    assert all(torch.equal(v, before[k]) for k, v in full_params(model).items())
+    with summon_full_params(model):
+        with torch.no_grad():
+            model.blocks[0].mlp[0].weight.add_(1e-4)  # below bf16's resolution at these values
+    edited = full_params(model)["blocks.0.mlp.0.weight"]
+    assert torch.equal(edited, before["blocks.0.mlp.0.weight"] + 1e-4)
+
+
+@pytest.mark.parametrize("policy", ["bf16", "quantized"])
+def test_summon_shows_the_values_that_train(policy: str) -> None:
+    run_ranks(2, _summon_shows_what_trains, policy)
+
+
+def _summon_data_assigned(rank: int, world_size: int, writeback: bool) -> None:
+    ref, model = build_pair()
+    batches = random_batches(4, world_size, token_batch)
+    assert_parity(train(ref, batches[:1], lm_loss, rank=None), train(model, batches[:1], lm_loss, rank=rank), rank)
+    new = torch.randn(ref.blocks[0].mlp[0].weight.shape, generator=torch.Generator().manual_seed(5))
+    with summon_full_params(model, writeback=writeback):
+        model.blocks[0].mlp[0].weight.data = new.clone()
+    if writeback:
+        ref.blocks[0].mlp[0].weight.data = new.clone()
+    # Later forwards compute with the parameters the optimizer steps (the reassigned tensor is not left in use).
+    assert_parity(train(ref, batches[1:], lm_loss, rank=None), train(model, batches[1:], lm_loss, rank=rank), rank)
+
+
+@pytest.mark.parametrize("writeback", [True, False])
+def test_summon_with_data_assigned_inside(writeback: bool) -> None:
+    run_ranks(2, _summon_data_assigned, writeback)
+
+
+def _forward_inside_summon(rank: int, world_size: int) -> None:
+    ref, model = build_pair()
+    batches = random_batches(3, world_size, token_batch)
+    assert_parity(train(ref, batches[:1], lm_loss, rank=None), train(model, batches[:1], lm_loss, rank=rank), rank)
+    tokens = batches[1][0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing is reported as assigned inside the context
+        # FSDP1's evaluation idiom: the full model on rank 0 alone; the forward communicates nothing.
+        with summon_full_params(model, rank0_only=True, writeback=False), torch.no_grad():
+            if rank == 0:
+                torch.testing.assert_close(lm_loss(model, tokens), lm_loss(ref, tokens), rtol=0, atol=0)
+        with summon_full_params(model), torch.inference_mode():  # every rank, written back unchanged
+            torch.testing.assert_close(lm_loss(model, tokens), lm_loss(ref, tokens), rtol=0, atol=0)
+            assert all(type(p) is nn.Parameter for p in model.parameters())
+    assert_parity(train(ref, batches[1:], lm_loss, rank=None), train(model, batches[1:], lm_loss, rank=rank), rank)
+
+
+def test_forward_inside_summon_full_params() -> None:
+    run_ranks(2, _forward_inside_summon)
+
+
 # ---- no_sync --------------------------------------------------------------------------------------------
 
 

@@ -94,6 +94,8 @@ class CodecGroup(Protocol):
 class Codec:
     """A parameter sent as its shard cast to the compute dtype (the default, inside a packed group)."""
 
+    lossy = False  # whether decode may give other values than the shard's (besides the cast)
+
     def __init__(self, param: ShardedParam, group: CodecGroup) -> None:
         self.param = param
         self.group = group
@@ -124,6 +126,8 @@ class Codec:
 
 class Int8BlockCodec(Codec):
     """int8 in blocks with fp32 absmax scales (:class:`QuantizedCommPolicy`)."""
+
+    lossy = True
 
     def __init__(self, param: ShardedParam, group: CodecGroup, block_size: int) -> None:
         super().__init__(param, group)

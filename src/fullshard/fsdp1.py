@@ -41,6 +41,12 @@ def summon_full_params(
     - ``offload_to_cpu``: the full parameters are CPU copies (device memory stays free).
     - ``with_grads``: each full parameter's ``.grad`` is the full gradient.
 
+    The values shown are the sharded parameters' in their own dtype, also under a
+    mixed-precision or quantized-communication policy. A forward inside the context
+    computes with them and communicates nothing (``rank0_only=True``: on rank 0
+    alone); a backward inside it reduces nothing, and its gradients are dropped at
+    the exit.
+
     Collective: every rank must enter it. Not allowed inside forward or backward.
     """
     expect_module("summon_full_params", model)
@@ -65,8 +71,12 @@ def summon_full_params(
     try:
         for group in groups:
             group.summon(keep_full=keep_full, offload_to_cpu=offload_to_cpu, with_grads=with_grads)
+        for state in states:
+            state.summoned = True
         yield
     finally:
+        for state in states:
+            state.summoned = False
         for group in groups:
             group.write_back_summoned(writeback)
         for group in groups:

@@ -805,24 +805,45 @@ class ParamGroup:
 
     # ---- summon_full_params ----------------------------------------------------
 
+    # [Note: Summoned values]
+    # summon_full_params shows the parameters' values as they train: the sharded ones, in their own dtype. A
+    # group whose all-gather gives exactly those (no cast to a compute dtype, no lossy codec) shows its
+    # unsharded parameters, views of the unsharded buffer; any other shows full copies gathered from the
+    # sharded parameters (one collective per parameter: summon is not on the training path), so that reading,
+    # writing back and with_grads all work on the values the optimizer steps. Inside the context the groups'
+    # hooks stand aside: a forward computes with what is shown (runtime.summons_open).
+
+    def _gathers_exact(self) -> bool:
+        return all(self.param_compute_dtype(p) == p.orig_dtype for p in self.params) and not any(
+            codec.lossy for codec in self.codecs or ())
+
     def summon(self, *, keep_full: bool, offload_to_cpu: bool, with_grads: bool) -> None:
-        """Unshard and register the full parameters (CPU copies with ``offload_to_cpu``), their ``.grad`` the
-        full gradients with ``with_grads``; ``keep_full=False`` registers the sharded ones again."""
-        self.unshard()
+        """Register the full parameters ([Note: Summoned values]; CPU copies with ``offload_to_cpu``), their
+        ``.grad`` the full gradients with ``with_grads``; ``keep_full=False`` registers the sharded ones again."""
+        exact = self._gathers_exact()
+        if exact:
+            self.unshard()
         self.summoned = True
         # Gradients accumulated without sync live on the unsharded parameters: set aside, not shown as the full
         # gradients (they are this rank's, unreduced), and given back on exit.
         self._held_grads = [p.unsharded.grad for p in self.params]
         for p in self.params:
-            full = p.unsharded
-            full.grad = None
+            p.unsharded.grad = None
+            if exact:
+                full = p.unsharded
+            else:
+                value = full_tensor(p.sharded.detach())
+                full = nn.Parameter(value if p.tp is None else p.tp.unsharded(p.tp.local_of(value)),
+                                    requires_grad=p.sharded.requires_grad)
             grad = p.sharded.grad
             if with_grads and grad is not None:
                 full.grad = full_tensor(grad) if isinstance(grad, DTensor) else grad
             if offload_to_cpu and keep_full:
                 copy = nn.Parameter(full.detach().cpu(), requires_grad=full.requires_grad)
                 copy.grad = None if full.grad is None else full.grad.cpu()
-                p.register(copy)
+                full = copy
+            if keep_full and full is not p.unsharded:
+                p.register(full)
         if not keep_full:
             self.reshard()
         self._summoned = {id(site.module._parameters.get(site.name)) for p in self.params for site in p.sites}
@@ -859,6 +880,7 @@ class ParamGroup:
             if shown is not None and shown is not p.unsharded and id(shown) in self._summoned:
                 p.unsharded.requires_grad_(shown.requires_grad)  # a CPU copy's requires_grad_ carries over
             p.unsharded.grad = held
+            p.reattach_unsharded()  # `.data =` inside the context pointed it elsewhere
             p.register(p.sharded)  # over the summoned copies, which resharding would leave as if assigned
         self._held_grads = []
         self.reshard()

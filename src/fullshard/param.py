@@ -504,7 +504,16 @@ class ShardedParam:
         """``padded_full``: this parameter's slice of the unsharded buffer."""
         full = unsharded_view(padded_full, self.layout)
         value = full if self.tp is None else self.tp.unsharded(full)
+        self._unsharded_value = value
         self.set_unsharded(nn.Parameter(value, requires_grad=self.requires_grad))
+
+    def reattach_unsharded(self) -> None:
+        """Point the unsharded parameter at its slice of the unsharded buffer again, where ``.data =`` moved it
+        (the buffer's all-gathers would no longer reach it)."""
+        value = self._unsharded_value
+        if self.tp is None and self.extension is None and self.unsharded.data_ptr() != value.data_ptr():
+            with torch.no_grad():
+                self.unsharded.data = value
 
     def set_unsharded(self, param: nn.Parameter) -> None:
         self.unsharded = param

@@ -549,6 +549,8 @@ class HookState:
         self.reshard_after_forward_arg = reshard_after_forward
         self.reshard_after_forward = bool(reshard_after_forward) if reshard_after_forward is not None else True
         self.training_state = TrainingState.IDLE
+        # Inside summon_full_params: the hooks stand aside ([Note: Summoned values] in group.py).
+        self.summoned = False
         self.ctx: IterationContext | None = None
         self.is_root = False
         self.forward_prefetch: list[HookState] | None = None
@@ -670,6 +672,8 @@ class HookState:
     def _pre_forward_hook(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if self.summoned:
+            return args, kwargs
         if in_backward():
             # Activation-checkpoint recomputation. Non-reentrant: the group is already unsharded for backward.
             # Reentrant (torch.utils.checkpoint(use_reentrant=True), as Hugging Face's gradient checkpointing
@@ -728,6 +732,8 @@ class HookState:
         return output if self.mp_policy.output_dtype is None else _cast_floats(output, self.mp_policy.output_dtype)
 
     def _post_forward_hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        if self.summoned:
+            return output
         if in_backward():
             return self._cast_output(output)
         ctx = self.ctx
