@@ -219,9 +219,10 @@ class CountingSGD(torch.optim.SGD):
         return super().step(closure)
 
 
-def two_groups(kind: str, model: nn.Module) -> torch.optim.Optimizer:
-    decay = [p for n, p in model.named_parameters() if p.dim() > 1]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() <= 1]
+def two_groups(kind: str, model: nn.Module, reverse: bool = False) -> torch.optim.Optimizer:
+    params = list(model.parameters())[::-1] if reverse else list(model.parameters())
+    decay = [p for p in params if p.dim() > 1]
+    no_decay = [p for p in params if p.dim() <= 1]
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 0.02}]
     if kind == "sgd":
         return torch.optim.SGD(groups, lr=0.05, momentum=0.9)
@@ -275,8 +276,13 @@ def _full_optim_state(rank: int, world_size: int, kind: str) -> None:
     resumed = frozen_transformer()
     shard_transformer(resumed)
     resumed.load_state_dict(full_state_dict(model, rank0_only=False))
-    resumed_opt = two_groups(kind, resumed)
+    resumed_opt = two_groups(kind, resumed, reverse=True)  # the state is keyed by name: any order loads
     load_full_optim_state_dict(resumed, resumed_opt, full if rank == 0 else None)
+    swapped = copy.deepcopy(full_optim_state_dict(model, opt, rank0_only=False))
+    swapped["param_groups"][0]["params"][-1], swapped["param_groups"][1]["params"][-1] = (
+        swapped["param_groups"][1]["params"][-1], swapped["param_groups"][0]["params"][-1])
+    with pytest.raises(ValueError, match="param group 0 holds .* in the state and .* in the optimizer"):
+        load_full_optim_state_dict(resumed, two_groups(kind, resumed), swapped)
     assert_parity(train(ref, batches[2:], lm_loss, rank=None, optim=ref_opt),
                   train(resumed, batches[2:], lm_loss, rank=rank, optim=resumed_opt), rank)
 

@@ -243,7 +243,19 @@ def load_full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, f
     for name, param_state in full_osd["state"].items():
         param = by_name[name]
         state[position[name]] = {k: _shard_like(managed.get(param), k, v) for k, v in param_state.items()}
-    groups = [{**g, "params": [position[n] for n in g["params"]]} for g in full_osd["param_groups"]]
+    saved_groups = full_osd["param_groups"]
+    if len(saved_groups) != len(optim.param_groups):
+        raise ValueError(f"load_full_optim_state_dict: the state has {len(saved_groups)} param groups, the optimizer "
+                         f"{len(optim.param_groups)}")
+    # torch's load_state_dict pairs a group's saved ids with its parameters by position: list them in the
+    # optimizer's own order, whatever order the state was saved in.
+    groups = []
+    for i, (saved, current) in enumerate(zip(saved_groups, optim.param_groups)):
+        current_names = [names[p] for p in current["params"]]
+        if sorted(saved["params"]) != sorted(current_names):
+            raise ValueError(f"load_full_optim_state_dict: param group {i} holds {sorted(saved['params'])} in the "
+                             f"state and {sorted(current_names)} in the optimizer")
+        groups.append({**saved, "params": [position[n] for n in current_names]})
     optim.load_state_dict({"state": state, "param_groups": groups})
 
 
