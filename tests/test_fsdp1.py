@@ -373,6 +373,26 @@ def test_comm_hooks(hook_name: str) -> None:
     run_ranks(4, _hooks, hook_name)
 
 
+def _hooks_without_sharding(rank: int, world_size: int, hook_name: str) -> None:
+    def shard(model: nn.Module) -> None:
+        fullshard.shard_model(model, auto_wrap_policy=fullshard.ModuleWrapPolicy({type(model.blocks[0])}),
+                              sharding_strategy=fullshard.ShardingStrategy.NO_SHARD)
+        if hook_name == "torch_allreduce":
+            register_comm_hook(model, default_hooks.DefaultState(dist.group.WORLD), default_hooks.allreduce_hook)
+        else:
+            register_comm_hook(model, ReduceState(dist.group.WORLD), {"ours": reduce_scatter_hook,
+                                                                      "bf16": bf16_compress_hook}[hook_name])
+
+    tol = {"rtol": 2e-2, "atol": 2e-3} if hook_name == "bf16" else {}
+    run_parity(rank, world_size, Transformer, shard, token_batch, lm_loss, steps=3, **tol)
+
+
+@pytest.mark.parametrize("hook_name", ["torch_allreduce", "ours", "bf16"])
+def test_comm_hooks_on_groups_that_shard_nothing(hook_name: str) -> None:
+    """NO_SHARD: the hook averages the whole gradient in place (FSDP1's two-argument hooks), nothing else reduces."""
+    run_ranks(2, _hooks_without_sharding, hook_name)
+
+
 def _hook_sees_rank_major_gradients(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     model = nn.Linear(3, 5, bias=False)  # 5 rows over 2 ranks: chunks of 3, one row of padding

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 from typing import Any
@@ -111,9 +112,10 @@ def test_bad_policies_are_rejected() -> None:
 # ---- strategies ---------------------------------------------------------------------------------------
 
 
-def shard_strategy(strategy: ShardingStrategy, model: nn.Module) -> None:
+def shard_strategy(strategy: ShardingStrategy, model: nn.Module, unnamed_mesh: bool = False) -> None:
     os.environ["LOCAL_WORLD_SIZE"] = "2"
-    shard_model(model, auto_wrap_policy=ModuleWrapPolicy({Block}), sharding_strategy=strategy)
+    mesh = init_device_mesh("cpu", (2, 2)) if unnamed_mesh else None  # FSDP1 takes a 2-D mesh's axes by position
+    shard_model(model, auto_wrap_policy=ModuleWrapPolicy({Block}), sharding_strategy=strategy, device_mesh=mesh)
 
 
 EXPECTED = {  # placements, all-gathers per step (forward + backward), reduce-scatters, all-reduces (3 groups)
@@ -125,8 +127,9 @@ EXPECTED = {  # placements, all-gathers per step (forward + backward), reduce-sc
 }
 
 
-def _strategy(rank: int, world_size: int, strategy: ShardingStrategy) -> None:
-    _, model = run_parity(rank, world_size, Transformer, functools.partial(shard_strategy, strategy), token_batch, lm_loss)
+def _strategy(rank: int, world_size: int, strategy: ShardingStrategy, unnamed_mesh: bool = False) -> None:
+    _, model = run_parity(rank, world_size, Transformer, functools.partial(shard_strategy, strategy,
+                                                                           unnamed_mesh=unnamed_mesh), token_batch, lm_loss)
     placements, gathers, scatters, all_reduces = EXPECTED[strategy]
     assert all(p.placements == placements for p in model.parameters())
     rec = CommRecorder(model)
@@ -138,6 +141,74 @@ def _strategy(rank: int, world_size: int, strategy: ShardingStrategy) -> None:
 @pytest.mark.parametrize("strategy", list(EXPECTED), ids=lambda s: s.name)
 def test_sharding_strategies(strategy: ShardingStrategy) -> None:
     run_ranks(4, _strategy, strategy)
+
+
+def test_hybrid_shard_on_a_mesh_without_names() -> None:
+    run_ranks(4, _strategy, ShardingStrategy.HYBRID_SHARD, True)
+
+
+def per_block_settings(module: nn.Module) -> bool | dict[str, Any]:
+    """FSDP1's CustomPolicy: block 0 computes in fp32 and is replicated, block 1 takes the model's settings."""
+    if module is getattr(per_block_settings, "special", None):
+        fp32 = MixedPrecision(param_dtype=torch.float32, cast_forward_inputs=True)  # bf16 activations come in
+        return {"mixed_precision": fp32, "sharding_strategy": ShardingStrategy.NO_SHARD}
+    return isinstance(module, Block)
+
+
+def _custom_policy_settings(rank: int, world_size: int, torch_policy: bool) -> None:
+    from torch.distributed.fsdp.wrap import CustomPolicy as TorchCustomPolicy
+
+    model = Transformer()
+    per_block_settings.special = model.blocks[0]  # type: ignore[attr-defined]
+    policy = (TorchCustomPolicy if torch_policy else CustomPolicy)(per_block_settings)
+    shard_model(model, auto_wrap_policy=policy,
+                mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, cast_forward_inputs=True))
+    seen: dict[str, torch.dtype] = {}
+    for name in ("blocks.0", "blocks.1"):
+        model.get_submodule(name + ".mlp.0").register_forward_hook(
+            lambda m, args, out, name=name: seen.__setitem__(name, m.weight.dtype))
+    lm_loss(model, random_batches(1, world_size, token_batch)[0][rank]).backward()
+    assert seen == {"blocks.0": torch.float32, "blocks.1": torch.bfloat16}
+    assert model.blocks[0].mlp[0].weight.placements == (Replicate(),)
+    assert model.blocks[1].mlp[0].weight.placements == (Shard(0),)
+    with pytest.raises(NotImplementedError, match=r"gives module 'blocks.0' settings of its own for \['device_id'\]"):
+        shard_model(Transformer(), auto_wrap_policy=CustomPolicy(lambda m: isinstance(m, Block) and {"device_id": 0}))
+
+
+@pytest.mark.parametrize("torch_policy", [False, True], ids=["fullshard", "torch"])
+def test_custom_policy_gives_a_module_its_own_settings(torch_policy: bool) -> None:
+    run_ranks(2, _custom_policy_settings, torch_policy)
+
+
+class Normed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.bn, self.fc2 = nn.Linear(7, 16), nn.BatchNorm1d(16), nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.bn(self.fc1(x))
+        self.bn_out = h.dtype
+        return self.fc2(torch.relu(h))
+
+
+def _batch_norm_mixed_precision(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    ref = Normed()
+    model = copy.deepcopy(ref)
+    with pytest.warns(UserWarning, match="BatchNorm1d modules are sharded on their own and compute in their parameters"):
+        shard_model(model, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+                    mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16))
+    assert model.bn.running_mean.dtype == torch.float32  # kept in its own dtype too
+    x = torch.randn(world_size, 8, 7, generator=torch.Generator().manual_seed(3))
+    out = model(x[rank])
+    assert out.dtype == torch.bfloat16 and model.bn_out == torch.bfloat16  # cast back after the norm
+    torch.testing.assert_close(out.float(), ref(x[rank]), rtol=2e-2, atol=2e-2)
+    out.float().sum().backward()
+    assert model.bn.weight.grad is not None and model.bn.weight.grad.dtype == torch.float32
+
+
+def test_batch_norm_keeps_full_precision_under_mixed_precision() -> None:
+    run_ranks(2, _batch_norm_mixed_precision)
 
 
 def shard_on_dim_1(model: nn.Module) -> None:

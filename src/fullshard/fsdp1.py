@@ -256,10 +256,16 @@ class ReduceState:
         self.divide_before, self.divide_after = _divide_factors(dist.get_world_size(self.process_group))
 
 
-def _reduce_scatter_in(dtype: torch.dtype | None) -> Callable[[ReduceState, torch.Tensor, torch.Tensor], None]:
-    def hook(state: ReduceState, grad: torch.Tensor, output: torch.Tensor) -> None:
+def _reduce_scatter_in(dtype: torch.dtype | None) -> Callable[..., None]:
+    def hook(state: ReduceState, grad: torch.Tensor, output: torch.Tensor | None = None) -> None:
         send = grad if dtype is None else grad.to(dtype)
         send.div_(state.divide_before)
+        if output is None:  # NO_SHARD: the whole gradient, averaged in place with one all-reduce
+            dist.all_reduce(send, group=state.process_group)
+            send.div_(state.divide_after)
+            if send is not grad:
+                grad.copy_(send)
+            return
         recv = output if dtype is None else torch.empty_like(output, dtype=dtype)
         reduce_scatter_single(recv, send, group=state.process_group)
         recv.div_(state.divide_after)
@@ -282,13 +288,15 @@ def register_comm_hook(model: nn.Module, state: Any, hook: Callable[[Any, torch.
 
     ``grad`` is the group's padded gradient, rank-major (rank r's rows first for
     r = 0, 1, ...); the hook writes this rank's *averaged* rows into ``output``.
-    FSDP1's hooks (``torch.distributed.algorithms._comm_hooks.default_hooks``)
-    follow the same convention, so they work too. Not supported with HSDP.
+    Groups that shard nothing (``NO_SHARD``) call ``hook(state, grad)``, which
+    averages the whole gradient in place (an all-reduce). FSDP1's hooks
+    (``torch.distributed.algorithms._comm_hooks.default_hooks``) follow the same
+    conventions, so they work too. Not supported with HSDP.
     """
     expect_module("register_comm_hook", model)
     if not callable(hook):
         raise TypeError(f"register_comm_hook: hook must be callable, got {type(hook).__name__}")
     for group in (g for s in states_in(model) for g in s.groups):
-        if group.mesh_info.replicate_group is not None:
+        if group.mesh_info.replicate_group is not None and group.mesh_info.shard_axis is not None:
             raise NotImplementedError("register_comm_hook is not supported with HSDP (2-D meshes)")
         group.reducer.settings.comm_hook = (state, hook)

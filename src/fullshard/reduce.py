@@ -401,8 +401,12 @@ class GradReducer:
         del taken, kept, grads  # the unsharded gradients die here, right after the copy-in
         if settings.comm_hook is not None:
             hook_state, hook = settings.comm_hook
-            output = torch.empty(layout.shard_numel, dtype=group.reduce_dtype, device=group.device)
-            hook(hook_state, inp.view(-1), output)
+            if group.mesh_info.shard_axis is None:  # NO_SHARD: the hook all-reduces the gradient in place
+                output = inp.view(-1)
+                hook(hook_state, output)
+            else:
+                output = torch.empty(layout.shard_numel, dtype=group.reduce_dtype, device=group.device)
+                hook(hook_state, inp.view(-1), output)
             collective = PendingCollective(None, output, (inp, output), streams.record())
         else:
             copied_in = streams.record()
@@ -437,7 +441,7 @@ class GradReducer:
                     pending.reduce_scatter.buffers = ()
                 pending.held.append(reduced)
                 replicate_group = group.mesh_info.replicate_group
-                if replicate_group is None:
+                if replicate_group is None or settings.comm_hook is not None:  # (a hook did the replicas' sum)
                     self._deliver(pending, reduced)
                     return
                 chunks = group.split(reduced, pending.layout)

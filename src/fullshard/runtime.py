@@ -725,11 +725,11 @@ class HookState:
 
     def _cast_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
-            return _cast_floats((args, kwargs), self.mp_policy.param_dtype)
+            return cast_floats((args, kwargs), self.mp_policy.param_dtype)
         return args, kwargs
 
     def _cast_output(self, output: Any) -> Any:
-        return output if self.mp_policy.output_dtype is None else _cast_floats(output, self.mp_policy.output_dtype)
+        return output if self.mp_policy.output_dtype is None else cast_floats(output, self.mp_policy.output_dtype)
 
     def _post_forward_hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         if self.summoned:
@@ -1161,6 +1161,6 @@ def _check_no_shared_originals(states: list[HookState]) -> None:
                 )
 
 
-def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
+def cast_floats(tree: Any, dtype: torch.dtype) -> Any:
     cast: Callable[[torch.Tensor], torch.Tensor] = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
     return map_tensors(cast, tree)

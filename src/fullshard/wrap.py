@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -36,7 +37,7 @@ from fullshard.codec import QuantizedCommPolicy
 from fullshard.errors import expect_module
 from fullshard.mesh import MeshInfo, default_device_type, resolve_mesh
 from fullshard.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from fullshard.runtime import BackwardPrefetchMode, state_of
+from fullshard.runtime import BackwardPrefetchMode, cast_floats, state_of, tensors_in
 
 __all__ = [
     "BackwardPrefetch", "CPUOffload", "CustomPolicy", "MixedPrecision", "ModuleWrapPolicy", "ShardingStrategy",
@@ -61,15 +62,25 @@ class ModuleWrapPolicy:
 
 
 class CustomPolicy:
-    """Shard every module for which ``fn(module)`` is true."""
+    """Shard every module for which ``fn(module)`` is true; a dict it returns also shards the module, with those
+    of ``shard_model``'s settings for that module alone (``OVERRIDABLE``), as FSDP1's ``CustomPolicy``."""
 
     def __init__(self, fn: Callable[[nn.Module], Any]) -> None:
         if not callable(fn):
             raise TypeError(f"CustomPolicy expects a callable (module) -> bool, got {type(fn).__name__}")
         self.fn = fn
 
-    def __call__(self, module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
-        return True if recurse else bool(self.fn(module))
+    def __call__(self, module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool | dict[str, Any]:
+        if recurse:
+            return True
+        picked = self.fn(module)
+        return dict(picked) if isinstance(picked, dict) else bool(picked)
+
+
+# shard_model's settings a CustomPolicy may give one module; the others (prefetching, ignored modules) are the
+# whole model's.
+OVERRIDABLE = frozenset({"sharding_strategy", "mixed_precision", "cpu_offload", "device_mesh", "comm_policy",
+                         "shard_placement_fn"})
 
 
 def _as_policy_fn(policy: Any) -> PolicyFn | None:
@@ -86,9 +97,13 @@ def _is_container(module: nn.Module) -> bool:
     return isinstance(module, (nn.ModuleList, nn.ModuleDict))
 
 
-def _modules_to_shard(root: nn.Module, policy: PolicyFn | None, ignored: set[nn.Module]) -> list[tuple[str, nn.Module]]:
-    """Post-order: every module the policy wraps, children first (FSDP1's recursion protocol)."""
-    chosen: list[tuple[str, nn.Module]] = []
+def _modules_to_shard(
+    root: nn.Module, policy: PolicyFn | None, ignored: set[nn.Module], own_precision: tuple[type, ...] = ()
+) -> list[tuple[str, nn.Module, dict[str, Any]]]:
+    """Post-order: every module the policy wraps, children first (FSDP1's recursion protocol), with the settings
+    the policy gives it alone; a module of an ``own_precision`` class is wrapped on its own, without mixed
+    precision (``MixedPrecision._module_classes_to_ignore``)."""
+    chosen: list[tuple[str, nn.Module, dict[str, Any]]] = []
     taken: dict[nn.Parameter, str] = {}  # parameter -> the picked module that takes it
     ignored_params = {p for m in ignored for p in m.parameters()}
 
@@ -105,10 +120,13 @@ def _modules_to_shard(root: nn.Module, policy: PolicyFn | None, ignored: set[nn.
         if module is root or _is_container(module):
             return
         numel = unwrapped_numel(module)
-        if policy(module=module, recurse=False, nonwrapped_numel=numel):
+        picked = policy(module=module, recurse=False, nonwrapped_numel=numel)
+        if isinstance(module, own_precision) and numel:
+            picked = {"mixed_precision": None, OWN_PRECISION: True}
+        if isinstance(picked, dict) or picked:
             if numel == 0:
                 _explain_empty_pick(name, module, taken)
-            chosen.append((name, module))
+            chosen.append((name, module, picked if isinstance(picked, dict) else {}))
             taken.update({p: name for p in module.parameters() if p not in taken})
 
     visit("", root)
@@ -135,7 +153,7 @@ def _hybrid_mesh(device_mesh: DeviceMesh | None) -> DeviceMesh:
     if device_mesh is not None:
         if device_mesh.ndim != 2:
             raise ValueError(f"HYBRID_SHARD needs a 2-D (replicate, shard) device_mesh, got {device_mesh.ndim} dimensions")
-        return device_mesh
+        return device_mesh  # its axes by position, named or not, as FSDP1 takes them
     world = dist.get_world_size()
     node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if node < 1 or world % node:
@@ -148,7 +166,8 @@ def _mesh_and_resharding(
 ) -> tuple[MeshInfo, bool | None]:
     """The data-parallel mesh for ``strategy`` and the non-root ``reshard_after_forward``."""
     if strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
-        return resolve_mesh(_hybrid_mesh(device_mesh)), strategy is ShardingStrategy.HYBRID_SHARD
+        hybrid = MeshInfo(_hybrid_mesh(device_mesh), shard_axis=1, replicate_axis=0)
+        return hybrid, strategy is ShardingStrategy.HYBRID_SHARD
     if strategy is ShardingStrategy.NO_SHARD:
         mesh = device_mesh or init_device_mesh(default_device_type(), (dist.get_world_size(),), mesh_dim_names=("dp",))
         if mesh.ndim != 1:
@@ -206,33 +225,67 @@ def shard_model(
     (:class:`QuantizedCommPolicy`; a ``Shard`` or ``None`` per parameter).
     """
     expect_module("shard_model", model)
-    if not isinstance(sharding_strategy, ShardingStrategy):
-        raise TypeError(f"sharding_strategy must be a fullshard.ShardingStrategy, got {sharding_strategy!r}")
     if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
         raise TypeError(f"backward_prefetch must be a fullshard.BackwardPrefetch or None, got {backward_prefetch!r}")
-    if cpu_offload is not None and not isinstance(cpu_offload, CPUOffload):
-        raise TypeError(f"cpu_offload must be a fullshard.CPUOffload, got {type(cpu_offload).__name__}")
     ignored = set(ignored_modules or ())
     for name, module in model.named_modules():
         if state_of(module) is not None:
             label = name or original_class(model).__name__
             raise ValueError(f"shard_model: module {label!r} is already sharded; shard a model once")
-    mesh_info, reshard = _mesh_and_resharding(sharding_strategy, device_mesh)
-    common: dict[str, Any] = {
-        "offload_policy": CPUOffloadPolicy() if cpu_offload is not None and cpu_offload.offload_params else OffloadPolicy(),
-        "ignored_params": {p for m in ignored for p in m.parameters()},
-        "comm_policy": comm_policy,
-        "shard_placement_fn": shard_placement_fn,
-    }
-    if not any(p not in common["ignored_params"] for p in model.parameters()):
+    ignored_params = {p for m in ignored for p in m.parameters()}
+    if not any(p not in ignored_params for p in model.parameters()):
         raise ValueError(f"shard_model: {type(model).__name__} has no parameters to shard")
-    for name, module in _modules_to_shard(model, _as_policy_fn(auto_wrap_policy), ignored):
-        shard_modules(module, lambda: mesh_info, reshard_after_forward=reshard,
-                      mp_policy=_mp_policy(mixed_precision, root=False), **common)
-    shard_modules(model, lambda: mesh_info, reshard_after_forward=None if reshard else reshard,
-                  mp_policy=_mp_policy(mixed_precision, root=True), **common)
+    defaults = {"sharding_strategy": sharding_strategy, "mixed_precision": mixed_precision, "cpu_offload": cpu_offload,
+                "device_mesh": device_mesh, "comm_policy": comm_policy, "shard_placement_fn": shard_placement_fn}
+    meshes: dict[tuple[ShardingStrategy, DeviceMesh | None], tuple[MeshInfo, bool | None]] = {}
+
+    def settings_of(name: str, overrides: dict[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(overrides) - OVERRIDABLE - {OWN_PRECISION})
+        if unknown:
+            raise NotImplementedError(
+                f"shard_model: the auto_wrap_policy gives module {name!r} settings of its own for {unknown}; a module "
+                f"may have its own {sorted(OVERRIDABLE)}, the others are the whole model's"
+            )
+        settings = {**defaults, **overrides}
+        strategy, offload = settings["sharding_strategy"], settings["cpu_offload"]
+        if not isinstance(strategy, ShardingStrategy):
+            raise TypeError(f"sharding_strategy must be a fullshard.ShardingStrategy, got {strategy!r}")
+        if offload is not None and not isinstance(offload, CPUOffload):
+            raise TypeError(f"cpu_offload must be a fullshard.CPUOffload, got {type(offload).__name__}")
+        return settings
+
+    def shard(module: nn.Module, settings: dict[str, Any], own_dtype: bool) -> None:
+        root = module is model
+        strategy, offload = settings["sharding_strategy"], settings["cpu_offload"]
+        key = (strategy, settings["device_mesh"])
+        if key not in meshes:
+            meshes[key] = _mesh_and_resharding(strategy, settings["device_mesh"])
+        mesh_info, reshard = meshes[key]
+        shard_modules(
+            module, lambda: mesh_info, reshard_after_forward=(None if reshard else reshard) if root else reshard,
+            mp_policy=_mp_policy(settings["mixed_precision"], root=root),
+            offload_policy=CPUOffloadPolicy() if offload is not None and offload.offload_params else OffloadPolicy(),
+            ignored_params=ignored_params, comm_policy=settings["comm_policy"],
+            shard_placement_fn=settings["shard_placement_fn"],
+        )
+        if own_dtype:
+            _compute_in_own_dtype(module)
+
+    own_precision: tuple[type, ...] = ()
+    if mixed_precision is not None and auto_wrap_policy is not None:
+        own_precision = tuple(mixed_precision._module_classes_to_ignore)
+    picked = _modules_to_shard(model, _as_policy_fn(auto_wrap_policy), ignored, own_precision)
+    plan = [(module, settings_of(name, overrides), bool(overrides.get(OWN_PRECISION)))
+            for name, module, overrides in [*picked, ("", model, {})]]  # every setting checked before any is used
+    kept = sorted({type(module).__name__ for module, _, own_dtype in plan if own_dtype})
+    if kept:
+        warnings.warn(f"shard_model: {', '.join(kept)} modules are sharded on their own and compute in their "
+                      "parameters' dtype (MixedPrecision._module_classes_to_ignore), their inputs cast to it and their "
+                      "outputs back", stacklevel=2)
+    for module, settings, own_dtype in plan:
+        shard(module, settings, own_dtype)
     if mixed_precision is not None and mixed_precision.buffer_dtype is not None:
-        _cast_buffers(model, mixed_precision.buffer_dtype)
+        _cast_buffers(model, mixed_precision.buffer_dtype, skip={module for module, _, own_dtype in plan if own_dtype})
     root = state_of(model)
     assert root is not None
     ctx = root.lazy_init()
@@ -248,10 +301,34 @@ def shard_model(
     return model
 
 
-def _cast_buffers(model: nn.Module, dtype: torch.dtype) -> None:
-    """Cast the floating-point buffers to ``dtype`` for training; state dicts give them in their own dtypes, as
-    FSDP1's do (values rounded through ``dtype``), and loading one casts back through ``load_state_dict``'s copy."""
+OWN_PRECISION = "_fullshard_own_precision"  # a module of MixedPrecision._module_classes_to_ignore
+
+
+def _compute_in_own_dtype(module: nn.Module) -> None:
+    """``module`` computes in its parameters' dtype: floating inputs are cast to it, floating outputs back to the
+    dtype of its first floating input."""
+    dtype = next(p.dtype for p in module.parameters())
+    seen: list[torch.dtype] = []
+
+    def cast_in(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        first = next((t.dtype for t in tensors_in((args, kwargs)) if t.is_floating_point()), dtype)
+        seen.append(first)
+        return cast_floats((args, kwargs), dtype)
+
+    def cast_out(mod: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        return cast_floats(output, seen.pop())
+
+    module.register_forward_pre_hook(cast_in, prepend=True, with_kwargs=True)
+    module.register_forward_hook(cast_out, prepend=False)
+
+
+def _cast_buffers(model: nn.Module, dtype: torch.dtype, skip: set[nn.Module]) -> None:
+    """Cast the floating-point buffers (but those of the ``skip`` modules) to ``dtype`` for training; state dicts
+    give them in their own dtypes, as FSDP1's do (values rounded through ``dtype``), and loading one casts back
+    through ``load_state_dict``'s copy."""
     for module in model.modules():
+        if module in skip:
+            continue
         original = {}
         for buf_name, buf in module.named_buffers(recurse=False):
             if buf.is_floating_point() and buf.dtype != dtype:
