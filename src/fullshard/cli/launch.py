@@ -8,12 +8,6 @@ A rank that dies or fails brings the local group down: the others get
 ``GRACE_S`` seconds to exit on their own (they usually fail at once, in a
 collective with it), then they are terminated, and ``RankFailed`` names the
 first rank that failed and how.
-
-Local CPU ranks are forked from the launcher, which has imported torch already
-(a spawned rank spends seconds importing it again); CUDA ranks are spawned,
-since a forked process cannot use CUDA once its parent has touched it. The
-launcher forks before it opens the rendezvous store, so no store thread exists
-at the fork, and then sends each rank the store's port.
 """
 
 from __future__ import annotations
@@ -32,7 +26,6 @@ import torch
 import torch.distributed as dist
 
 GRACE_S = 10.0
-STORE_WAIT_S = 300.0  # as long as a rank would wait for the store itself
 
 
 class UserError(Exception):
@@ -60,27 +53,18 @@ def run(worker: Callable[..., None], nproc: int, *args: Any, device_type: str = 
         finally:
             _teardown()
         return
-    fork = device_type == "cpu" and "fork" in mp.get_all_start_methods()
-    ctx = mp.get_context("fork" if fork else "spawn")
+    ctx = mp.get_context("spawn")
     # Local ranks talk over loopback only.
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     errors = ctx.SimpleQueue()
-    ports = [ctx.Pipe(duplex=False) for _ in range(nproc)]
     procs = [
-        ctx.Process(target=_local_rank, args=(rank, nproc, ports[rank][0], device_type, worker, args, errors))
+        ctx.Process(target=_local_rank, args=(rank, nproc, store.port, device_type, worker, args, errors))
         for rank in range(nproc)
     ]
     for proc in procs:
         proc.start()
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    for receiver, sender in ports:
-        receiver.close()
-        try:
-            sender.send(store.port)
-        except OSError:  # that rank is gone already: _supervise reports it
-            pass
-        sender.close()
     first_failed = _supervise(procs)
     messages = []
     while not errors.empty():
@@ -153,17 +137,12 @@ def _teardown() -> None:
 
 
 def _local_rank(
-    rank: int, world_size: int, port_from: Any, device_type: str, worker: Callable[..., None], args: tuple[Any, ...],
-    errors: Any,
+    rank: int, world_size: int, port: int, device_type: str, worker: Callable[..., None], args: tuple[Any, ...], errors: Any
 ) -> None:
     """One local rank: gloo on CPU, or NCCL with GPU ``rank`` when ``device_type`` is cuda."""
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     if device_type == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    if not port_from.poll(STORE_WAIT_S):  # the launcher died before it opened the store
-        os._exit(1)
-    port = port_from.recv()
-    port_from.close()
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo", store=store, rank=rank, world_size=world_size)
     code = 0
