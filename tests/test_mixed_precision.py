@@ -183,12 +183,12 @@ def test_dataclass_inputs_and_outputs_are_cast_as_fsdp2_casts_them() -> None:
 
 
 def test_a_dataclass_is_rebuilt_only_when_a_cast_changes_it() -> None:
-    from fullshard.runtime import _cast_floats
+    from fullshard.runtime import cast_floats
 
     x = HiddenWithNorm(torch.randn(2, 3), {"skip": torch.arange(3)})
-    same = _cast_floats([x], torch.float32)
+    same = cast_floats([x], torch.float32)
     assert same[0] is x  # nothing to cast: the caller's object, no __post_init__ run again
-    cast = _cast_floats({"hidden": x}, BF16)["hidden"]
+    cast = cast_floats({"hidden": x}, BF16)["hidden"]
     assert type(cast) is HiddenWithNorm and cast is not x
     assert cast.h.dtype == cast.norm.dtype == BF16 and cast.extras["skip"].dtype == torch.int64
     assert x.h.dtype == x.norm.dtype == torch.float32  # the input left alone

@@ -10,11 +10,11 @@ from pathlib import Path
 import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parent.parent
-JOBS = 14
+JOBS = 10
 
 
 def test_short_jobs_exit_cleanly_every_time() -> None:
-    """14 two-rank training jobs, half ending with destroy_process_group() and half without: every rank exits 0
+    """10 two-rank training jobs, half ending with destroy_process_group() and half without: every rank exits 0
     and writes nothing to stderr (no abort at exit, no leaked-resource warning)."""
     stores = [dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in range(JOBS)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),

@@ -811,7 +811,7 @@ class ParamGroup:
     # unsharded parameters, views of the unsharded buffer; any other shows full copies gathered from the
     # sharded parameters (one collective per parameter: summon is not on the training path), so that reading,
     # writing back and with_grads all work on the values the optimizer steps. Inside the context the groups'
-    # hooks stand aside: a forward computes with what is shown (runtime.summons_open).
+    # hooks stand aside (HookState.summoned): a forward computes with what is shown.
 
     def _gathers_exact(self) -> bool:
         return all(self.param_compute_dtype(p) == p.orig_dtype for p in self.params) and not any(

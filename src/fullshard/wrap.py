@@ -34,7 +34,7 @@ from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
 
 from fullshard.api import original_class, shard_modules
 from fullshard.codec import QuantizedCommPolicy
-from fullshard.errors import expect_module
+from fullshard.errors import ArgumentTypeError, expect_module
 from fullshard.mesh import MeshInfo, default_device_type, resolve_mesh
 from fullshard.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from fullshard.runtime import BackwardPrefetchMode, cast_floats, state_of, tensors_in
@@ -151,6 +151,9 @@ def _explain_empty_pick(name: str, module: nn.Module, taken: dict[nn.Parameter, 
 
 def _hybrid_mesh(device_mesh: DeviceMesh | None) -> DeviceMesh:
     if device_mesh is not None:
+        if not isinstance(device_mesh, DeviceMesh):
+            raise ArgumentTypeError(f"device_mesh must be a torch.distributed.device_mesh.DeviceMesh, got "
+                                    f"{type(device_mesh).__name__}")
         if device_mesh.ndim != 2:
             raise ValueError(f"HYBRID_SHARD needs a 2-D (replicate, shard) device_mesh, got {device_mesh.ndim} dimensions")
         return device_mesh  # its axes by position, named or not, as FSDP1 takes them
@@ -252,15 +255,15 @@ def shard_model(
             raise TypeError(f"sharding_strategy must be a fullshard.ShardingStrategy, got {strategy!r}")
         if offload is not None and not isinstance(offload, CPUOffload):
             raise TypeError(f"cpu_offload must be a fullshard.CPUOffload, got {type(offload).__name__}")
+        key = (strategy, settings["device_mesh"])
+        if key not in meshes:
+            meshes[key] = _mesh_and_resharding(strategy, settings["device_mesh"])
         return settings
 
     def shard(module: nn.Module, settings: dict[str, Any], own_dtype: bool) -> None:
         root = module is model
-        strategy, offload = settings["sharding_strategy"], settings["cpu_offload"]
-        key = (strategy, settings["device_mesh"])
-        if key not in meshes:
-            meshes[key] = _mesh_and_resharding(strategy, settings["device_mesh"])
-        mesh_info, reshard = meshes[key]
+        offload = settings["cpu_offload"]
+        mesh_info, reshard = meshes[(settings["sharding_strategy"], settings["device_mesh"])]
         shard_modules(
             module, lambda: mesh_info, reshard_after_forward=(None if reshard else reshard) if root else reshard,
             mp_policy=_mp_policy(settings["mixed_precision"], root=root),
