@@ -832,7 +832,7 @@ class ParamGroup:
             if exact:
                 full = p.unsharded
             else:
-                value = full_tensor(p.sharded.detach())
+                value = full_tensor(cast(DTensor, p.sharded.detach()))
                 full = nn.Parameter(value if p.tp is None else p.tp.unsharded(p.tp.local_of(value)),
                                     requires_grad=p.sharded.requires_grad)
             grad = p.sharded.grad

@@ -60,7 +60,8 @@ from fullshard.layout import GroupLayout, ParamLayout
 from fullshard.mesh import MeshInfo
 from fullshard.param import FLAT_GRAD, FlatGrad, ShardedParam, full_to_slots, rank_axis_view
 
-CommHook = Callable[[Any, torch.Tensor, torch.Tensor], None]
+# hook(state, grad, output); on groups that shard nothing hook(state, grad), averaging grad in place
+CommHook = Callable[..., None]
 
 
 @dataclass
@@ -85,7 +86,7 @@ class ReduceSettings:
     # hook(reduced) in place on each reduced flat gradient (after the HSDP all-reduce), on hook_stream if given.
     all_reduce_hook: Callable[[torch.Tensor], None] | None = None
     all_reduce_hook_stream: Any = None
-    # FSDP1's register_comm_hook: (state, hook(state, grad, output)) reduces instead of the reduce-scatter.
+    # FSDP1's register_comm_hook: (state, hook) reduces instead of the reduce-scatter (and the all-reduce).
     comm_hook: tuple[Any, CommHook] | None = None
     # FSDPModule.set_custom_reduce_scatter: torch's ReduceScatter (allocates the input and output, runs it).
     custom_comm: Any = None
