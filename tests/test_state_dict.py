@@ -283,6 +283,8 @@ def _full_optim_state(rank: int, world_size: int, kind: str) -> None:
         swapped["param_groups"][1]["params"][-1], swapped["param_groups"][0]["params"][-1])
     with pytest.raises(ValueError, match="param group 0 holds .* in the state and .* in the optimizer"):
         load_full_optim_state_dict(resumed, two_groups(kind, resumed), swapped)
+    with pytest.raises(ValueError, match="the state has 2 param groups, the optimizer 1"):
+        load_full_optim_state_dict(resumed, torch.optim.SGD(resumed.parameters(), lr=0.1), swapped)
     assert_parity(train(ref, batches[2:], lm_loss, rank=None, optim=ref_opt),
                   train(resumed, batches[2:], lm_loss, rank=rank, optim=resumed_opt), rank)
 

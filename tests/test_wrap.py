@@ -103,6 +103,8 @@ def _bad_policies(rank: int, world_size: int) -> None:
     square = init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=("a", "b"))
     with pytest.raises(ValueError, match="NO_SHARD needs a 1-D device_mesh, got 2 dimensions"):
         shard_model(Transformer(), sharding_strategy=ShardingStrategy.NO_SHARD, device_mesh=square)
+    with pytest.raises(TypeError, match="device_mesh must be a torch.distributed.device_mesh.DeviceMesh, got str"):
+        shard_model(Transformer(), sharding_strategy=ShardingStrategy.HYBRID_SHARD, device_mesh="mesh")  # type: ignore
 
 
 def test_bad_policies_are_rejected() -> None:
