@@ -81,6 +81,7 @@ class CustomPolicy:
 # whole model's.
 OVERRIDABLE = frozenset({"sharding_strategy", "mixed_precision", "cpu_offload", "device_mesh", "comm_policy",
                          "shard_placement_fn"})
+OWN_PRECISION = "_fullshard_own_precision"  # marks a module of MixedPrecision._module_classes_to_ignore
 
 
 def _as_policy_fn(policy: Any) -> PolicyFn | None:
@@ -302,9 +303,6 @@ def shard_model(
         backward=1 if limit_all_gathers else len(ctx.states),
     )
     return model
-
-
-OWN_PRECISION = "_fullshard_own_precision"  # a module of MixedPrecision._module_classes_to_ignore
 
 
 def _compute_in_own_dtype(module: nn.Module) -> None:
