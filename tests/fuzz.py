@@ -147,6 +147,10 @@ class Case:
     comm: str = "none"  # FSDP2's communication settings on every module: none | separate_rs (reduce-scatter on a
     # process group of its own) | rs_buffers (2 reduce-scatter inputs in flight) | pg_alloc (buffers from the process
     # group's allocator) | all (the three)
+    summon: str = "none"  # fullshard.summon_full_params at step 1: none | edit (every rank sees what the shards
+    # hold, then scales block 0's weight inside, written back; FSDP2 scales its DTensor) | grads (with_grads after
+    # the step's last backward: the gradients shown are the reduced ones) | eval (rank0_only, a no-grad forward on
+    # rank 0 alone, compared with the reference's)
 
     def describe(self) -> str:
         plain = Case(self.seed)
@@ -351,9 +355,18 @@ def _draw_rest(seed: int, kw: dict[str, Any]) -> Case:
     case = Case(seed, **kw)
     for more in (_draw_more, _draw_user, _draw_start, _draw_controls, _draw_later, _draw_strided, _draw_scalar,
                  _draw_uneven, _draw_mesh, _draw_comm, _draw_complex, _draw_jvp, _draw_metric, _draw_toggle,
-                 _draw_meta_part):
+                 _draw_meta_part, _draw_summon):
         case = more(case)
     return case
+
+
+def _draw_summon(case: Case) -> Case:
+    """``summon_full_params`` in a step, from a stream of its own; no forward on rank 0 alone with tensor parallel
+    (its layers communicate over "tp")."""
+    rng = random.Random(f"summon-{case.seed}")
+    if rng.random() >= 0.2:
+        return case
+    return dataclasses.replace(case, summon=rng.choice(["edit", "grads"] + ([] if case.tp else ["eval"])))
 
 
 def _draw_meta_part(case: Case) -> Case:
@@ -369,7 +382,17 @@ def _draw_toggle(case: Case) -> Case:
     checkpoints (the recomputation then saves other tensors than the forward did: torch's checkpoint raises
     unsharded too)."""
     allowed = case.mp == "none" and not case.jvp and case.ac == "none" and case.user != "reentrant"
-    return dataclasses.replace(case, toggle=allowed and random.Random(f"toggle-{case.seed}").random() < 0.2)
+    toggle = allowed and random.Random(f"toggle-{case.seed}").random() < 0.2
+    return dataclasses.replace(case, toggle=toggle and _trains_beside_toggled(case))
+
+
+def _trains_beside_toggled(case: Case) -> bool:
+    """Whether a parameter other than the two ``toggle`` freezes trains (else the micro-batches of step 2 before the
+    last, with those two still frozen, have nothing to back-propagate into, unsharded too: seed 10760)."""
+    with torch.device("meta"):
+        model = Net(case)
+    toggled = {id(model.pre.weight), id(model.blocks[-1].lin.weight)}
+    return any(p.requires_grad and id(p) not in toggled for p in model.parameters())
 
 
 def _draw_metric(case: Case) -> Case:
@@ -934,6 +957,10 @@ class Record:
     ema: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     # what the last step left for the garbage collector (tensors, fullshard's objects): freed late, if ever
     garbage: list[str] = dataclasses.field(default_factory=list)
+    # case.summon: what summon_full_params showed, and what it should have (the sharded values gathered outside;
+    # the reference's output for "eval")
+    summoned: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    summon_expected: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 def run_steps(case: Case, model: Net, opt: torch.optim.Optimizer, sched: Any, ema: Any, data: Any, steps: range,
@@ -942,9 +969,9 @@ def run_steps(case: Case, model: Net, opt: torch.optim.Optimizer, sched: Any, em
     for step in steps:
         if rank is not None and impl == "fullshard" and step == steps[-1] and len(steps) > 1:
             with left_for_gc(record.garbage):
-                _step(case, model, opt, sched, ema, data, step, rank, record)
+                _step(case, model, opt, sched, ema, data, step, rank, record, impl)
         else:
-            _step(case, model, opt, sched, ema, data, step, rank, record)
+            _step(case, model, opt, sched, ema, data, step, rank, record, impl)
 
 
 @contextlib.contextmanager
@@ -963,13 +990,15 @@ def left_for_gc(found: list[str]) -> Iterator[None]:
 
 
 def _step(case: Case, model: Net, opt: torch.optim.Optimizer, sched: Any, ema: Any, data: Any, step: int,
-          rank: int | None, record: Record) -> None:
+          rank: int | None, record: Record, impl: str) -> None:
     from fullshard import clip_grad_norm_
 
     model.step = step
     ws = len(data[step][0])
     if case.reassign_later and step == 1 and not case.reassign_mid_step:
         _reassign_last_weight(model, opt, sharded=rank is not None)
+    if case.summon in ("edit", "eval") and step == 1:
+        _summon(case, model, data[step][0][0][0], rank, record, impl)
     if case.eval_pass != "none" and (case.eval_pass == "all" or rank in (None, 0) or (case.hsdp and rank == 1)):
         with torch.no_grad():
             model.set_rank(0 if rank is None else case.data_rank(rank))
@@ -1011,6 +1040,8 @@ def _step(case: Case, model: Net, opt: torch.optim.Optimizer, sched: Any, ema: A
             for p in (model.pre.weight, model.blocks[-1].lin.weight):
                 p.requires_grad_(step == 2)
         loss.backward()
+    if case.summon == "grads" and step == 1 and rank is not None and impl == "fullshard":
+        _summon(case, model, None, rank, record, impl)
     if rank is None and case.divide:  # the sharded runs divide the sum by twice the ranks
         for p in model.parameters():
             if p.grad is not None:
@@ -1031,6 +1062,38 @@ def _step(case: Case, model: Net, opt: torch.optim.Optimizer, sched: Any, ema: A
         sched.step()
     if ema is not None:
         ema.update()
+
+
+def _summon(case: Case, model: Net, x: torch.Tensor | None, rank: int | None, record: Record, impl: str) -> None:
+    """``case.summon`` (``rank=None``: the reference; ``impl``: which sharded run)."""
+    from fullshard import summon_full_params
+
+    weight = lambda: model.blocks[0].lin.weight  # noqa: E731 (read inside the context: it may be another tensor)
+    if case.summon == "eval":
+        model.micro, model.last_micro = 0, False  # on every rank (a resumed run has no earlier micro-batch)
+        if rank is None or impl == "fullshard":
+            with summon_full_params(model, writeback=False, rank0_only=True) if rank is not None else \
+                    contextlib.nullcontext(), torch.no_grad():
+                if rank in (None, 0):
+                    model.set_rank(0)
+                    (record.summon_expected if rank is None else record.summoned)["eval"] = full(model(x))
+        return
+    if rank is None or impl != "fullshard":  # "edit": the same change, without the context
+        with torch.no_grad():
+            weight().mul_(0.75)
+        return
+    def shown() -> dict[str, torch.Tensor]:  # (without with_grads no gradient is shown)
+        grads = {f"{n}.grad": full(p.grad) for n, p in model.named_parameters()
+                 if p.grad is not None and case.summon == "grads"}
+        return {**{n: full(p) for n, p in model.named_parameters()}, **grads}
+
+    record.summon_expected = shown()
+    with summon_full_params(model, writeback=case.summon == "edit", with_grads=case.summon == "grads",
+                            offload_to_cpu=case.seed % 2 == 1):
+        record.summoned = shown()
+        if case.summon == "edit":
+            with torch.no_grad():
+                weight().mul_(0.75)
 
 
 def _reassign_last_weight(model: Net, opt: torch.optim.Optimizer, sharded: bool) -> str:
@@ -1307,6 +1370,22 @@ def compare(ref: Record, rec: Record, steps: list[int], expected_losses: Any, wh
     return None
 
 
+def compare_summoned(case: Case, ref: Record, rec: Record, what: str) -> str | None:
+    """``case.summon``: what summon_full_params showed must be the sharded values and gradients bit for bit, and
+    a forward inside it on rank 0 the reference's output (where step 1 is compared)."""
+    expected = rec.summon_expected if case.summon != "eval" else (
+        ref.summon_expected if case.compared_steps > 1 else {})
+    tol = {"rtol": 0.0, "atol": 0.0} if case.summon != "eval" else case.tolerance
+    if case.summon == "eval" and not rec.summoned:  # not rank 0, or not the phase that ran step 1
+        return None
+    if set(expected) - set(rec.summoned) or (case.summon != "eval" and set(rec.summoned) - set(expected)):
+        return f"{what}: summon_full_params showed {sorted(rec.summoned)}, expected {sorted(expected)}"
+    for name, value in expected.items():
+        if not _close(rec.summoned[name], value, tol):
+            return f"{what}: summon_full_params showed {name} {_max_diff(rec.summoned[name], value):.3g} apart"
+    return None
+
+
 Key = tuple[int, str, int]  # (seed, implementation, phase)
 
 
@@ -1400,7 +1479,8 @@ def judge(case: Case, records: dict[Key, list[Any]]) -> str | None:
 
             compared = [step for step in steps if step < case.compared_steps]
             final = (phase == 1 or not case.resume_ws) and case.compared_steps == case.steps
-            failure = compare(ref, rec, compared, expected, f"{what} rank {rank}", case.tolerance, final)
+            failure = compare_summoned(case, ref, rec, f"{what} rank {rank}") or \
+                compare(ref, rec, compared, expected, f"{what} rank {rank}", case.tolerance, final)
             if failure is not None and (fp32 or case.quantized):  # [Note: Ill-conditioned cases]
                 slack = slack or (quantization_slack if case.quantized else rounding_slack)(case, ref)
                 failure = compare(ref, rec, compared, expected, f"{what} rank {rank}", case.tolerance, final, slack)

@@ -46,6 +46,12 @@ def sharded() -> nn.Module:
     return model
 
 
+def _child_after_a_step() -> nn.Module:
+    model = sharded()
+    model(torch.randn(2, 4)).sum().backward()
+    return model[0]
+
+
 def _enter(context: Any) -> None:
     with context:
         pass
@@ -129,6 +135,11 @@ CALLS: list[tuple[str, Callable[[], Any], Kinds, str]] = [
      "Expects FSDPModule but got Linear: expected modules passed to fully_shard"),
     ("set_modules_to_backward_prefetch", lambda: sharded().set_modules_to_backward_prefetch(3), TypeError,
      "expected a list of modules passed to fully_shard, got int"),
+    ("set_modules_to_forward_prefetch str", lambda: sharded().set_modules_to_forward_prefetch("ab"), ValueError,
+     "Expects FSDPModule but got str"),
+    ("share_comm_ctx str", lambda: fullshard.share_comm_ctx("ab"), ValueError, "Expects FSDPModule but got str"),
+    ("reset_iter_state on a child", lambda: _child_after_a_step().reset_iter_state(), RuntimeError,
+     "reset_iter_state must be called on the root module"),
     ("unshard", lambda: sharded().unshard(async_op="x"), TypeError, "unshard: async_op must be a bool, got str"),
     ("EMA decay", lambda: EMA(sharded(), 1.5), ValueError, r"EMA decay must be a number in \[0, 1\], got 1.5"),
     ("clip_grad_norm_ model", lambda: clip_grad_norm_(3, 1.0), TypeError, "clip_grad_norm_ expects an nn.Module, got int"),
@@ -232,6 +243,8 @@ def _call_cases(rank: int, world_size: int) -> list[str]:
             problems.append(f"{name}: no error")
         except Exception as err:  # noqa: BLE001
             problems.extend(_mismatch(name, err, kind, pattern))
+    with pytest.warns(DeprecationWarning, match="use set_gradient_divide_factor"):  # FSDP2's older name warns too
+        sharded().set_reduce_scatter_divide_factor(2.0)
     return problems
 
 

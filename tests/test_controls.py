@@ -132,6 +132,13 @@ def _forward_method(rank: int, world_size: int) -> None:
     assert all(isinstance(p, DTensor) for p in model.parameters())
     with pytest.raises(ValueError, match="does not have a method nope"):
         register_fsdp_forward_method(model, "nope")
+    # A parameter's or submodule's name is an assignment nn.Module refuses (TypeError, as FSDP2): nothing changes
+    lin = fully_shard(nn.Linear(2, 2))
+    for owner, name in ((model, "layers"), (lin, "weight")):
+        before = getattr(owner, name)
+        with pytest.raises(TypeError, match=f"cannot assign .* '{name}'"):
+            register_fsdp_forward_method(owner, name)
+        assert getattr(owner, name) is before
     plain = WithGenerate()
     register_fsdp_forward_method(plain, "generate")  # not sharded: nothing to do
     assert not isinstance(plain, FSDPModule)
@@ -221,7 +228,8 @@ def _comm_options(rank: int, world_size: int) -> None:
     group = state_of(model.blocks[1]).group
     assert isinstance(group.all_gather_comm, ProcessGroupAllGather)
     assert isinstance(group.reducer.settings.custom_comm, ProcessGroupReduceScatter)
-    assert len({len(size) for size in allocated}) == 2  # all-gather outputs (1-D), reduce-scatter inputs (2-D)
+    # all-gather outputs, reduce-scatter inputs and outputs: 1-D sizes, as FSDP2 asks for them
+    assert allocated and all(len(size) == 1 for size in allocated)
     assert state_of(model.blocks[0]).group.all_gather_comm is None  # that module's groups only
     model.blocks[1].set_allocate_memory_from_process_group_for_comm(False)
     assert group.all_gather_comm is None and group.reducer.settings.custom_comm is None
@@ -250,8 +258,9 @@ class _OwnReduceScatter:
     def allocate(self, size: tuple[int, ...], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(size, dtype=dtype, device=device)
 
-    def __call__(self, output: torch.Tensor, inp: torch.Tensor, group: Any, op: Any, async_op: bool = False) -> Any:
-        return dist.reduce_scatter_tensor(output, inp, op=op, group=group, async_op=async_op)
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
+                 async_op: bool = False) -> Any:
+        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
 
 def test_comm_options() -> None:

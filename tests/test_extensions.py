@@ -34,14 +34,16 @@ class CountingAllocations:
 class CountingAllGather(CountingAllocations, AllGather):
     """torch's AllGather interface: allocates the output, runs the collective; counts both."""
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False) -> Any:
+    # keyword-only: FSDP2 calls torch's AllGather protocol by keyword
+    def __call__(self, *, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
+                 async_op: bool = False) -> Any:
         self.calls += 1
         return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 class CountingReduceScatter(CountingAllocations, ReduceScatter):
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
+    def __call__(self, *, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
                  async_op: bool = False) -> Any:
         self.calls += 1
         return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
@@ -63,7 +65,9 @@ def _custom_comms(rank: int, world_size: int) -> None:
     # blocks.0: all-gathered in forward and again in backward, reduced once per step
     assert comms["ag"].calls == 2 * steps and len(comms["ag"].allocated) == 2 * steps
     assert comms["rs"].calls == steps and len(comms["rs"].allocated) == 2 * steps  # input and output
-    assert comms["rs"].allocated[0][0] == world_size  # rank-major input
+    # 1-D sizes, as FSDP2 asks: the reduce-scatter input is every rank's shard (rank-major), the output one shard
+    assert all(len(size) == 1 for size in comms["ag"].allocated + comms["rs"].allocated)
+    assert comms["rs"].allocated[0][0] == world_size * comms["rs"].allocated[1][0]
 
 
 def test_custom_all_gather_and_reduce_scatter() -> None:

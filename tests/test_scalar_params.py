@@ -370,11 +370,14 @@ class AllReduceScatter:
     """A reduce-scatter as an in-place all-reduce of its input (this rank's row is the output): unlike gloo's
     reduce-scatter, its work reports completion as soon as it has completed."""
 
+    inp: torch.Tensor | None = None
+
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        if len(size) == 2:
+        if self.inp is None:  # the input (every rank's rows, flat), then the output
             self.inp = torch.empty(size, dtype=dtype, device=device)
             return self.inp
-        return self.inp[dist.get_rank()]
+        inp, self.inp = self.inp, None
+        return inp.view(dist.get_world_size(), -1)[dist.get_rank()]
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
                  async_op: bool = False) -> Any:

@@ -168,8 +168,9 @@ def _explicit_prefetch(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     model = Transformer(n_blocks=3)
     shard_transformer(model)
-    model.set_modules_to_forward_prefetch([model.blocks[0], model.blocks[1]])
-    model.blocks[2].set_modules_to_backward_prefetch([model.blocks[1], model.blocks[0]])
+    # any iterable of sharded modules, as FSDP2 takes: a ModuleList slice, a generator
+    model.set_modules_to_forward_prefetch(model.blocks[:2])
+    model.blocks[2].set_modules_to_backward_prefetch(model.blocks[i] for i in (1, 0))
     rec = CommRecorder(model)
     lm_loss(model, random_batches(1, world_size, token_batch)[0][rank]).backward()
     events = rec.take()

@@ -6,7 +6,7 @@ import functools
 import logging
 import types
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Literal, NoReturn, cast, overload
 
 import torch
@@ -702,7 +702,9 @@ class FSDPModule:
             settings.divide_factor = value
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
-        """The older name of :meth:`set_gradient_divide_factor`."""
+        """The older name of :meth:`set_gradient_divide_factor` (warns, as FSDP2 does)."""
+        warnings.warn("set_reduce_scatter_divide_factor is deprecated: use set_gradient_divide_factor",
+                      DeprecationWarning, stacklevel=2)
         self.set_gradient_divide_factor(factor)
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: object | None = None) -> None:
@@ -775,8 +777,8 @@ class FSDPModule:
             settings.force_sum_reduction = enable
 
     def set_custom_all_gather(self, comm: Any) -> None:
-        """All-gather this module's group with ``comm`` (torch's ``AllGather``): it allocates the output and runs
-        ``comm(output, input, group, async_op=True)``. ``None`` restores the default."""
+        """All-gather this module's group with ``comm`` (torch's ``AllGather``): it allocates the output (1-D) and
+        runs ``comm(output_tensor=..., input_tensor=..., group=..., async_op=True)``. ``None`` restores the default."""
         _check_comm("set_custom_all_gather", comm)
         group = self._only_group("set_custom_all_gather", "custom comm")
         if group is not None:
@@ -784,7 +786,8 @@ class FSDPModule:
 
     def set_custom_reduce_scatter(self, comm: Any) -> None:
         """Reduce-scatter this module's gradients with ``comm`` (torch's ``ReduceScatter``): it allocates the input
-        and the output and runs ``comm(output, input, group, op, async_op=True)``. ``None`` restores the default."""
+        and the output (1-D) and runs ``comm(output_tensor=..., input_tensor=..., group=..., op=..., async_op=True)``.
+        ``None`` restores the default."""
         _check_comm("set_custom_reduce_scatter", comm)
         group = self._only_group("set_custom_reduce_scatter", "custom comm")
         if group is not None:
@@ -830,17 +833,19 @@ class FSDPModule:
         their own stream and are waited on right before use, so the flag changes nothing."""
         expect_bool("_set_unshard_async_op", "async_op", async_op)
 
-    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+    def set_modules_to_forward_prefetch(self, modules: Iterable[FSDPModule]) -> None:
         """All-gather these modules' groups when this module's forward starts (replaces the implicit next one)."""
         self._get_hook_state().forward_prefetch = _states_of(modules)
 
-    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+    def set_modules_to_backward_prefetch(self, modules: Iterable[FSDPModule]) -> None:
         """All-gather these modules' groups when this module's backward starts (replaces the implicit previous one)."""
         self._get_hook_state().backward_prefetch = _states_of(modules)
 
     def reset_iter_state(self) -> None:
         """Recover from a forward or backward that raised; the root does this by itself at its next forward."""
         state = self._get_hook_state()
+        if state.ctx is not None and not state.is_root:
+            raise RuntimeError("reset_iter_state must be called on the root module (the outermost fully_shard)")
         if state.ctx is not None:
             state.ctx.recover()
 
@@ -884,9 +889,13 @@ def _reduce_settings(module: nn.Module, recurse: bool) -> list[ReduceSettings]:
             for settings in [g.reducer.settings for g in s.groups] + ([s.settings_without_group] if s.group is None else [])]
 
 
-def _states_of(modules: list[FSDPModule]) -> list[HookState]:
-    if not isinstance(modules, list | tuple):
-        raise TypeError(f"expected a list of modules passed to fully_shard, got {type(modules).__name__}")
+def _states_of(modules: Iterable[FSDPModule]) -> list[HookState]:
+    """Any iterable of modules (a list, a ``ModuleList``, a slice of one), as FSDP2 takes; a string is iterated too
+    (its characters are not modules: ``ValueError``)."""
+    try:
+        modules = list(modules)
+    except TypeError:
+        raise TypeError(f"expected a list of modules passed to fully_shard, got {type(modules).__name__}") from None
     states = []
     for mod in modules:
         state = state_of(mod)
@@ -896,7 +905,7 @@ def _states_of(modules: list[FSDPModule]) -> list[HookState]:
     return states
 
 
-def share_comm_ctx(modules: list[FSDPModule]) -> None:
+def share_comm_ctx(modules: Iterable[FSDPModule]) -> None:
     """Make these modules (roots of separate models, e.g. in pipeline stages) share communication streams."""
     states = _states_of(modules)
     for state in states[1:]:
@@ -921,7 +930,8 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         out = method(*args, **kwargs)
         return state._post_forward_hook(self, args, out)
 
-    module.__dict__[method_name] = types.MethodType(wrapped, module)
+    # As an attribute assignment (a parameter's, buffer's or submodule's name: nn.Module's TypeError, as FSDP2)
+    setattr(module, method_name, types.MethodType(wrapped, module))
 
 
 _fsdp_classes: dict[type, type] = {}

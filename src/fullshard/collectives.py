@@ -274,7 +274,10 @@ def _issue_all_gather(
     if output is inp or not inp.numel():
         return None, None
     ticket = streams.issued("all-gather", label, inp.numel(), group)
-    work = comm(output, inp, group, async_op=True) if comm is not None else _all_gather_into(output, inp, group, True)
+    if comm is not None:  # by keyword, as FSDP2 calls torch's AllGather protocol
+        work = comm(output_tensor=output, input_tensor=inp, group=group, async_op=True)
+    else:
+        work = _all_gather_into(output, inp, group, True)
     return work, ticket
 
 
@@ -302,15 +305,15 @@ class ProcessGroupAllocated:
 
 
 class ProcessGroupAllGather(ProcessGroupAllocated):
-    def __call__(self, output: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None,
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup | None,
                  async_op: bool = False) -> dist.Work | None:
-        return _all_gather_into(output, inp, group, async_op)
+        return _all_gather_into(output_tensor, input_tensor, group, async_op)
 
 
 class ProcessGroupReduceScatter(ProcessGroupAllocated):
-    def __call__(self, output: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None, op: Any,
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup | None, op: Any,
                  async_op: bool = False) -> dist.Work | None:
-        return reduce_scatter_single(output, inp, op=op, group=group, async_op=async_op)
+        return reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
 
 def all_gather_packed(
@@ -378,7 +381,7 @@ def reduce_scatter(
         ticket = streams.issued("reduce-scatter", label, inp.numel(), group)
         if comm is not None:
             output = comm.allocate((inp.shape[1],), dtype=inp.dtype, device=inp.device)
-            work = comm(output, inp.view(-1), group, op, async_op=True)
+            work = comm(output_tensor=output, input_tensor=inp.view(-1), group=group, op=op, async_op=True)
         else:
             output = torch.empty(inp.shape[1], dtype=inp.dtype, device=inp.device)
             work = reduce_scatter_single(output, inp.view(-1), op=op, group=group, async_op=True)

@@ -392,7 +392,8 @@ class GradReducer:
         op, _, before, _ = self._reduce_op_and_factors()
         shape = (layout.world_size, layout.shard_numel)
         if settings.custom_comm is not None:
-            inp = settings.custom_comm.allocate(shape, dtype=group.reduce_dtype, device=group.device)
+            inp = settings.custom_comm.allocate((shape[0] * shape[1],), dtype=group.reduce_dtype,
+                                                device=group.device).view(shape)
         else:
             inp = torch.empty(shape, dtype=group.reduce_dtype, device=group.device)
         with profiled("reduce_scatter_copy_in", group.label):
