@@ -15,7 +15,9 @@ FSDP2's finer controls (2-D weights sharded on dim 1, 1-D parameters on a mesh o
 ``ShardPlacementResult``, ``set_reshard_after_backward(False)`` and
 ``set_is_last_backward(False)`` between micro-batches,
 ``set_gradient_divide_factor``, HSDP all-reduces on the last micro-batch only, ``register_fsdp_forward_method``,
-a mixed-precision ``output_dtype``), and a loss through ``torch.func.jvp``.
+a mixed-precision ``output_dtype``), a loss through ``torch.func.jvp``, and FSDP1's ``summon_full_params`` (an edit
+written back, ``with_grads``, a forward on rank 0 alone with ``rank0_only``: what it shows must be the sharded values
+and gradients bit for bit).
 
 Every case trains sharded on gloo ranks and unsharded in this process on the same batches; every step's
 losses and full gradients and the final full parameters (and EMA averages) must agree (fp32: 1e-5, plus twice
