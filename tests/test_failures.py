@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -37,6 +38,9 @@ def _worker(rank: int, world_size: int, out: str, mode: str) -> None:
     if rank == 1:
         if mode == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if mode == "exit":  # done a step before the others (data of different lengths per rank), as a script ends
+            torch.distributed.destroy_process_group()
+            return
         time.sleep(120)  # alive, but not taking part
     start = time.monotonic()
     try:
@@ -47,7 +51,7 @@ def _worker(rank: int, world_size: int, out: str, mode: str) -> None:
         raise
 
 
-@pytest.mark.parametrize("mode", ["kill", "stuck"])
+@pytest.mark.parametrize("mode", ["kill", "stuck", "exit"])
 def test_survivors_name_the_failed_rank(tmp_path: Path, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(launch, "GRACE_S", 8.0)  # the survivors take about 3 s to name the rank
     start = time.monotonic()
@@ -59,6 +63,11 @@ def test_survivors_name_the_failed_rank(tmp_path: Path, mode: str, monkeypatch: 
     if mode == "kill":
         assert str(info.value) == "rank 1 was killed by SIGKILL"
         assert "rank 1 stopped (died or was killed)" in report["message"]
+        assert report["seconds"] < 10
+    elif mode == "exit":  # its process group destroyed, its process ended: it left that mark
+        assert info.value.rank in (0, 2)
+        assert re.search(r"rank 1 exited after issuing \d+ fullshard collectives \(rank 0: \d+\): the ranks ran "
+                         r"different numbers of steps", report["message"]), report["message"]
         assert report["seconds"] < 10
     else:
         # Rank 0 gives up first (rank 2 waits on rank 0 in the next collective, or times out as well).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 from typing import Any
@@ -220,3 +221,95 @@ def _all_gather_in_place(rank: int, world_size: int) -> None:
 
 def test_mixed_precision_all_gather_is_in_place() -> None:
     run_ranks(2, _all_gather_in_place)
+
+
+class _Dict(dict):  # type: ignore[type-arg]
+    pass
+
+
+class _List(list):  # type: ignore[type-arg]
+    pass
+
+
+class _Tuple(tuple):  # type: ignore[type-arg]
+    __slots__ = ()
+
+
+class _Ordered(collections.OrderedDict):  # type: ignore[type-arg]
+    pass
+
+
+def _containers(t: torch.Tensor) -> list[Any]:
+    return [_Dict(a=t, n=3), _List([t, None]), _Tuple((t, 1.5)), {t}, _Ordered(a=t), [_List([t])]]
+
+
+def test_containers_are_cast_as_fsdp2_casts_them() -> None:
+    """Sets and subclasses of lists, tuples and dicts (which pytree does not know) are cast like FSDP2's casts and
+    rebuilt as they rebuild them (a dict subclass as a plain dict); fullshard passed them through uncast, so a block
+    got fp32 inputs for bf16 weights where FSDP2 trains. Containers without a floating-point tensor stay as they are."""
+    from torch.distributed.utils import _apply_to_tensors
+
+    from fullshard.runtime import cast_floats, tensors_in
+
+    def types(tree: Any) -> Any:
+        if isinstance(tree, torch.Tensor):
+            return tree.dtype
+        if isinstance(tree, dict):
+            return type(tree), {k: types(v) for k, v in tree.items()}
+        if isinstance(tree, list | tuple | set | frozenset):
+            return type(tree), sorted((types(v) for v in tree), key=repr)
+        return tree
+
+    t = torch.randn(2)
+    for x in _containers(t):
+        ours = cast_floats(x, BF16)
+        fsdp2 = _apply_to_tensors(lambda u: u.to(BF16), x)
+        assert types(ours) == types(fsdp2), (x, types(ours), types(fsdp2))
+        assert [u.dtype for u in tensors_in(ours)] == [BF16]
+        if type(x) is not list:  # (pytree rebuilds its own containers)
+            assert cast_floats(x, torch.float32) is x  # nothing cast: the caller's object
+    ints = _List([torch.arange(3)])
+    assert cast_floats(ints, BF16) is ints
+
+
+class _ListBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, xs: _List) -> _List:
+        return _List([self.lin(xs[0]), xs[1]])
+
+
+class _ListNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = _ListBlock()
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.block(_List([x, x.detach()]))
+        return self.head(out[0].float() + out[1])
+
+
+def _list_subclass_training(rank: int, world_size: int) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    results = []
+    for shard, policy in ((fully_shard, MixedPrecisionPolicy), (torch_fully_shard, TorchPolicy)):
+        torch.manual_seed(0)
+        model = _ListNet()
+        shard(model.block, mp_policy=policy(param_dtype=BF16))
+        shard(model)
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+        loss = model(x).square().mean()
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.full_tensor() for n, p in model.named_parameters()}))
+    (loss, grads), (torch_loss, torch_grads) = results
+    assert torch.equal(loss, torch_loss)
+    assert grads.keys() == torch_grads.keys() and all(torch.equal(grads[n], torch_grads[n]) for n in grads)
+
+
+def test_a_list_subclass_input_trains_as_on_fsdp2() -> None:
+    run_ranks(2, _list_subclass_training)

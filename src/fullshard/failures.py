@@ -16,9 +16,14 @@ says who is at fault:
   daemon thread every ``HEARTBEAT_S`` seconds: a counter and how many fullshard
   collectives it has issued, one key per rank, overwritten. The thread stops
   when the default process group is destroyed and at interpreter exit.
+- When the process group is destroyed and at interpreter exit (a script that
+  returned, or ended on an uncaught exception) the heartbeat's last value says
+  so, with the collectives issued.
 - When a collective fails or times out, the rank compares the heartbeats over
-  a few intervals: a rank whose heartbeat stopped is *dead*; a live rank that
-  issued fewer collectives is *behind* (stuck, or running other code). The
+  a few intervals: a rank whose process *exited* left that mark (typically the
+  ranks ran different numbers of steps: data of different lengths); a rank
+  whose heartbeat stopped without it is *dead* (killed, crashed); a live rank
+  that issued fewer collectives is *behind* (stuck, or running other code). The
   ``RankFailureError`` names them (``.ranks``), with the transport's message as
   its cause.
 
@@ -104,7 +109,7 @@ import time
 import weakref
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple, cast
 
 import torch
 import torch.distributed as dist
@@ -505,6 +510,14 @@ def _difference(ranks: list[int], lists: list[list[str]], before: bool) -> str:
     )
 
 
+class Beat(NamedTuple):
+    """A rank's heartbeat as read from the store."""
+
+    beats: int  # beats so far (-1 once it exited)
+    issued: int  # fullshard collectives it issued
+    exited: bool  # its process exited (its last beat said so)
+
+
 class Heartbeat:
     """This process's heartbeat in the store: one daemon thread, one key per rank ([Note: Failure detection]).
 
@@ -514,6 +527,7 @@ class Heartbeat:
 
     def __init__(self) -> None:
         self.issued = 0  # fullshard collectives this process has issued
+        self._rank = 0
         self._thread: threading.Thread | None = None
         self._store: Any = None  # the store the thread writes to
         self._stop = threading.Event()
@@ -525,9 +539,9 @@ class Heartbeat:
         if self.running and self._store is store:
             return
         self._stop.set()  # a thread of an earlier process group ends at its next beat
-        self._store = store
+        self._store, self._rank = store, dist.get_rank()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._beat, args=(store, self._stop, dist.get_rank()),
+        self._thread = threading.Thread(target=self._beat, args=(store, self._stop, self._rank),
                                          name="fullshard-heartbeat", daemon=True)
         self._thread.start()
 
@@ -540,6 +554,7 @@ class Heartbeat:
         published: dict[Monitor, tuple[Ticket, float]] = {}
         while not stop.is_set():
             if not dist.is_initialized() or _store() is not store:  # destroy_process_group(): stop with it
+                self._mark_exit(store, rank)  # this rank is done with the job
                 return
             count += 1
             try:
@@ -561,14 +576,28 @@ class Heartbeat:
             self._thread.join(timeout=2 * HEARTBEAT_S)
         self._thread = None
 
-    def read(self, store: Any, ranks: list[int]) -> dict[int, tuple[int, int] | None]:
-        beats: dict[int, tuple[int, int] | None] = {}
+    def leave(self) -> None:
+        """At interpreter exit: stop, and leave the mark of a process that exited (peers waiting on this rank say
+        so instead of "died"), as the thread does when the process group is destroyed. A store set is one message,
+        sent without waiting for a reply."""
+        self.stop()
+        if self._store is not None:
+            self._mark_exit(self._store, self._rank)
+
+    def _mark_exit(self, store: Any, rank: int) -> None:
+        try:
+            store.set(f"{_prefix()}heartbeat/{rank}", f"exit {self.issued}")
+        except Exception:  # the store is gone (its host exited first): nobody is left to read it
+            pass
+
+    def read(self, store: Any, ranks: list[int]) -> dict[int, Beat | None]:
+        beats: dict[int, Beat | None] = {}
         for rank in ranks:
             try:
                 key = f"{_prefix()}heartbeat/{rank}"
                 if store.check([key]):
                     count, done = store.get(key).decode().split()
-                    beats[rank] = (int(count), int(done))
+                    beats[rank] = Beat(-1, int(done), True) if count == "exit" else Beat(int(count), int(done), False)
                 else:
                     beats[rank] = None
             except Exception:
@@ -580,7 +609,9 @@ _heartbeat = Heartbeat()  # one per process: see its docstring
 
 
 def _at_exit() -> None:
-    _heartbeat.stop()
+    """At interpreter exit; a process that leaves through ``os._exit`` (as ``fullshard train``'s ranks) calls it
+    first."""
+    _heartbeat.leave()
     for monitor in list(_heartbeat._monitors):
         monitor.close()
 
@@ -589,7 +620,7 @@ atexit.register(_at_exit)
 
 
 def diagnose(group: dist.ProcessGroup | None) -> tuple[list[int], list[int], str]:
-    """(dead ranks, ranks behind this one, a sentence) for the ranks of ``group``; takes about 3 heartbeats."""
+    """(ranks that exited or died, ranks behind this one, a sentence) for the ranks of ``group``; takes about 3 heartbeats."""
     store = _store()
     if store is None or not _heartbeat.running:
         return [], [], "a peer rank failed (no store to tell which)"
@@ -599,9 +630,18 @@ def diagnose(group: dist.ProcessGroup | None) -> tuple[list[int], list[int], str
     first = _heartbeat.read(store, others)
     time.sleep(2.5 * HEARTBEAT_S)
     second = _heartbeat.read(store, others)
-    dead = [r for r in others if second[r] is None or first[r] is not None and second[r] == first[r]]
-    behind = [r for r in others if r not in dead and (beat := second[r]) is not None and beat[1] < _heartbeat.issued]
+    exited = [r for r in others if (beat := second[r]) is not None and beat.exited]
+    dead = [r for r in others if r not in exited and (second[r] is None or first[r] is not None and second[r] == first[r])]
+    behind = [r for r in others if r not in dead + exited and (beat := second[r]) is not None
+              and beat.issued < _heartbeat.issued]
     parts = []
+    for r in exited:
+        done = cast(Beat, second[r]).issued
+        parts.append(
+            f"rank {r} exited after issuing {done} fullshard collectives (rank {me}: {_heartbeat.issued}): the ranks "
+            f"ran different numbers of steps (e.g. data of different lengths per rank), or rank {r} ended on an "
+            f"error (see its output)"
+        )
     if dead:
         parts.append(f"rank{'s' if len(dead) > 1 else ''} {', '.join(map(str, dead))} stopped (died or was killed)")
     if behind:
@@ -611,7 +651,7 @@ def diagnose(group: dist.ProcessGroup | None) -> tuple[list[int], list[int], str
         )
     if not parts:
         parts.append("every peer is alive and issued as many collectives: a collective outside fullshard is waiting")
-    return dead, behind, "; ".join(parts)
+    return exited + dead, behind, "; ".join(parts)
 
 
 def wait(work: dist.Work, what: str, group: dist.ProcessGroup | None, ticket: Ticket | None, gloo: bool = False) -> None:

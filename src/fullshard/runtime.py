@@ -44,6 +44,7 @@ drops unreduced gradients and reshards everything, so training can continue.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -914,9 +915,13 @@ class HookState:
             self._reduce(group, ran_backward=True)
 
 
+_SUBCLASSED = (list, tuple, set, dict)  # containers whose subclasses pytree does not know
+
+
 def tensors_in(tree: Any) -> list[torch.Tensor]:
     """Every tensor in ``tree``: pytree containers (lists, tuples, namedtuples, dicts, registered classes such
-    as Hugging Face's ``ModelOutput``) and, beyond what pytree knows, the fields of plain dataclasses."""
+    as Hugging Face's ``ModelOutput``) and, beyond what pytree knows, the fields of plain dataclasses and the items
+    of sets and of subclasses of lists, tuples, sets and dicts (which FSDP2's casts reach too)."""
     if isinstance(tree, torch.Tensor):
         return [tree]
     found: list[torch.Tensor] = []
@@ -927,9 +932,14 @@ def tensors_in(tree: Any) -> list[torch.Tensor]:
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor):
                 found.append(leaf)
-            elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type) and id(leaf) not in seen:
+            elif id(leaf) in seen or isinstance(leaf, type):
+                continue
+            elif dataclasses.is_dataclass(leaf):
                 seen.add(id(leaf))
                 pending.extend(getattr(leaf, f.name) for f in dataclasses.fields(leaf))
+            elif isinstance(leaf, _SUBCLASSED):
+                seen.add(id(leaf))
+                pending.extend(leaf.values() if isinstance(leaf, dict) else leaf)
     return found
 
 
@@ -937,11 +947,28 @@ def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> Any:
     """``tree`` with ``fn`` applied to every tensor in it (as :func:`tensors_in` finds them): pytree containers
     rebuilt as pytree does; a plain dataclass in which ``fn`` changed a tensor as a new instance through
     ``dataclasses.replace`` (its ``__post_init__`` runs again, as in FSDP2's casts), its ``init=False`` fields
-    set afterwards, and one in which nothing changed kept as it is."""
+    set afterwards; a set or a list, tuple or set subclass as its own type, a dict subclass as a plain dict (an
+    ``OrderedDict`` subclass as its own type), as FSDP2's casts rebuild them; any of these in which nothing changed
+    kept as it is."""
+
+    def unchanged(before: Any, after: Any) -> bool:
+        return all(a is b for a, b in zip(tensors_in(before), tensors_in(after)))
 
     def leaf(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
             return fn(x)
+        if isinstance(x, _SUBCLASSED) and not isinstance(x, type):  # (a set, or a subclass pytree does not know)
+            if isinstance(x, dict):
+                items = {k: map_tensors(fn, v) for k, v in x.items()}
+                if unchanged(list(x.values()), list(items.values())):
+                    return x
+                if not isinstance(x, collections.OrderedDict):
+                    return items  # a plain dict, as FSDP2 rebuilds a dict subclass
+                ordered = type(x)()
+                ordered.update(items)
+                return ordered
+            elements = [map_tensors(fn, v) for v in x]
+            return x if unchanged(list(x), elements) else type(x)(elements)
         if not dataclasses.is_dataclass(x) or isinstance(x, type):
             return x
         fields = [f for f in dataclasses.fields(x) if hasattr(x, f.name)]

@@ -25,6 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fullshard import failures
+
 GRACE_S = 10.0
 
 
@@ -162,4 +164,5 @@ def _local_rank(
     # already written.
     sys.stdout.flush()
     sys.stderr.flush()
+    failures._at_exit()  # (what the interpreter's exit would do: peers still waiting read that this rank exited)
     os._exit(code)
