@@ -239,8 +239,21 @@ class _Ordered(collections.OrderedDict):  # type: ignore[type-arg]
     pass
 
 
+@dataclasses.dataclass
+class _Output(collections.OrderedDict):  # type: ignore[type-arg]
+    """Like Hugging Face's ModelOutput where it is no pytree node: a dataclass first (rebuilt by replace)."""
+
+    logits: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        self["logits"] = self.logits
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("not through update")
+
+
 def _containers(t: torch.Tensor) -> list[Any]:
-    return [_Dict(a=t, n=3), _List([t, None]), _Tuple((t, 1.5)), {t}, _Ordered(a=t), [_List([t])]]
+    return [_Dict(a=t, n=3), _List([t, None]), _Tuple((t, 1.5)), {t}, _Ordered(a=t), [_List([t])], _Output(t)]
 
 
 def test_containers_are_cast_as_fsdp2_casts_them() -> None:

@@ -954,22 +954,25 @@ def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> Any:
     def unchanged(before: Any, after: Any) -> bool:
         return all(a is b for a, b in zip(tensors_in(before), tensors_in(after)))
 
+    def container(x: Any) -> Any:  # a set, or a subclass pytree does not know
+        if isinstance(x, dict):
+            items = {k: map_tensors(fn, v) for k, v in x.items()}
+            if unchanged(list(x.values()), list(items.values())):
+                return x
+            if not isinstance(x, collections.OrderedDict):
+                return items  # a plain dict, as FSDP2 rebuilds a dict subclass
+            ordered = type(x)()
+            ordered.update(items)
+            return ordered
+        elements = [map_tensors(fn, v) for v in x]
+        return x if unchanged(list(x), elements) else type(x)(elements)
+
     def leaf(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
             return fn(x)
-        if isinstance(x, _SUBCLASSED) and not isinstance(x, type):  # (a set, or a subclass pytree does not know)
-            if isinstance(x, dict):
-                items = {k: map_tensors(fn, v) for k, v in x.items()}
-                if unchanged(list(x.values()), list(items.values())):
-                    return x
-                if not isinstance(x, collections.OrderedDict):
-                    return items  # a plain dict, as FSDP2 rebuilds a dict subclass
-                ordered = type(x)()
-                ordered.update(items)
-                return ordered
-            elements = [map_tensors(fn, v) for v in x]
-            return x if unchanged(list(x), elements) else type(x)(elements)
-        if not dataclasses.is_dataclass(x) or isinstance(x, type):
+        if not dataclasses.is_dataclass(x):  # (a dataclass first: also when it subclasses a dict, as FSDP2)
+            return container(x) if isinstance(x, _SUBCLASSED) else x
+        if isinstance(x, type):
             return x
         fields = [f for f in dataclasses.fields(x) if hasattr(x, f.name)]
         values = {f.name: getattr(x, f.name) for f in fields}
