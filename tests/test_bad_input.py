@@ -52,6 +52,13 @@ def _child_after_a_step() -> nn.Module:
     return model[0]
 
 
+def _shared_by_two_calls() -> None:
+    shared = nn.Linear(2, 2)
+    model = nn.Sequential(nn.Sequential(shared), nn.Sequential(shared))
+    fully_shard(model[0])
+    fully_shard(model[1])
+
+
 def _enter(context: Any) -> None:
     with context:
         pass
@@ -138,6 +145,8 @@ CALLS: list[tuple[str, Callable[[], Any], Kinds, str]] = [
     ("set_modules_to_forward_prefetch str", lambda: sharded().set_modules_to_forward_prefetch("ab"), ValueError,
      "Expects FSDPModule but got str"),
     ("share_comm_ctx str", lambda: fullshard.share_comm_ctx("ab"), ValueError, "Expects FSDPModule but got str"),
+    ("fully_shard on a module shared with a sharded sibling", _shared_by_two_calls, (ValueError, TypeError),
+     "a module used under two fully_shard calls is sharded on its own first"),
     ("reset_iter_state on a child", lambda: _child_after_a_step().reset_iter_state(), RuntimeError,
      "reset_iter_state must be called on the root module"),
     ("unshard", lambda: sharded().unshard(async_op="x"), TypeError, "unshard: async_op must be a bool, got str"),
