@@ -14,6 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
+    get_state_dict,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -427,3 +428,37 @@ def _user_state_dict_hooks(rank: int, world_size: int) -> None:
 
 def test_user_state_dict_hooks_and_keep_vars() -> None:
     run_ranks(2, _user_state_dict_hooks)
+
+
+def _state_dict_after_a_forward(rank: int, world_size: int, impl: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    shard = fully_shard if impl == "fullshard" else torch_fully_shard
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.Linear(6, 3))  # the LayerNorm in the root's group
+    shard(model[0])
+    shard(model[2])
+    shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(rank)
+    losses = []
+    for step in range(3):
+        loss = model(torch.randn(5, 4, generator=gen)).square().mean()  # the root keeps its parameters for backward
+        msd, osd = get_state_dict(model, opt)  # pairs model.named_parameters() with the optimizer's by name
+        assert set(osd["state"]) == set(msd)
+        loss.backward()  # all-gathers the root's group again
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return losses, full_params(model)
+
+
+def test_get_state_dict_between_forward_and_backward() -> None:
+    """A group left unsharded by a forward (the root, until its backward) registers its sharded parameters when a
+    state dict is taken, as on FSDP2, so torch's get_state_dict pairs the model's parameters with the optimizer's (it
+    raised KeyError), and the backward after it trains as FSDP2's does."""
+    ours = run_ranks(2, _state_dict_after_a_forward, "fullshard")
+    theirs = run_ranks(2, _state_dict_after_a_forward, "fsdp2")
+    for (losses, params), (torch_losses, torch_params) in zip(ours, theirs):
+        assert losses == torch_losses
+        assert all(torch.equal(params[name], torch_params[name]) for name in torch_params)

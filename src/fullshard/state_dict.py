@@ -1,8 +1,10 @@
 """Model and optimizer state dicts: sharded DTensors by default, full (FQN-keyed) on request.
 
 [Note: State dict hooks]
-``model.state_dict()`` always holds the sharded ``DTensor`` parameters, also
-while a group is unsharded (e.g. the root after forward). ``load_state_dict``
+``model.state_dict()`` always holds the sharded ``DTensor`` parameters; a group
+unsharded between steps (e.g. the root after forward) is resharded first, as
+FSDP2 does, so that ``named_parameters()`` matches the optimizer's parameters
+for torch's ``get_state_dict(model, optim)``. ``load_state_dict``
 accepts, per parameter, a ``DTensor`` of any placement or the full tensor:
 before loading, the group is resharded, a DTensor the user assigned in place
 of a sharded parameter is taken over (the values load into the assigned
@@ -27,10 +29,10 @@ from torch.distributed.fsdp import OptimStateKeyType
 from torch.distributed.tensor import DTensor
 
 from fullshard.errors import expect_bool, expect_module, expect_optimizer
-from fullshard.group import ParamGroup, group_of
+from fullshard.group import ParamGroup, ShardedState, group_of
 from fullshard.local_step import SCALAR_STATE
 from fullshard.param import ShardedParam, full_tensor
-from fullshard.runtime import states_in, take_over_changes
+from fullshard.runtime import TrainingState, states_in, take_over_changes
 
 
 def register_state_dict_hooks(group: ParamGroup, members: tuple[nn.Module, ...]) -> None:
@@ -58,7 +60,7 @@ def register_state_dict_hooks(group: ParamGroup, members: tuple[nn.Module, ...])
 
     group.on_new_sites = hook_modules
     hook_modules(list({site.module: None for p in group.params for site in p.sites} | dict.fromkeys(members)))
-    members[0].register_state_dict_pre_hook(_take_over_first)
+    members[0].register_state_dict_pre_hook(_only_on(members[0], _sharded_first(group, members[0])))
 
 
 def _only_on(owner: nn.Module, hook: Callable[..., None]) -> Callable[..., None]:
@@ -72,13 +74,25 @@ def _only_on(owner: nn.Module, hook: Callable[..., None]) -> Callable[..., None]
     return guarded
 
 
-def _take_over_first(module: nn.Module, prefix: str, keep_vars: bool) -> None:
-    """Before any value is collected, take over what was assigned since, so that no entry is a tensor that
-    resharding frees (a tie to a group left unsharded by a forward without backward)."""
-    try:
-        take_over_changes(states_in(module, recurse=False))
-    except ValueError:
-        pass  # a plain tensor was assigned: the state dict holds it, as FSDP2's; the next forward raises
+def _sharded_first(group: ParamGroup, member: nn.Module):  # type: ignore[no-untyped-def]
+    """Before any value is collected (on the group's first module, which ``state_dict()`` reaches before the others):
+    take over what was assigned since, so that no entry is a tensor that resharding frees (a tie to a group left
+    unsharded by a forward without backward); then a group unsharded between steps (the root after a forward not
+    back-propagated yet) registers its sharded parameters, as FSDP2's ``state_dict()`` does: ``named_parameters()``
+    then gives what the optimizer holds (``get_state_dict(model, optim)`` pairs the two by name), and a backward that
+    follows all-gathers again. Not inside a forward or backward, nor in ``summon_full_params``."""
+    def hook(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        states = states_in(member, recurse=False)
+        try:
+            take_over_changes(states)
+        except ValueError:
+            return  # a plain tensor was assigned: the state dict holds it, as FSDP2's; the next forward raises
+        if group.state is ShardedState.SHARDED or group.summoned:
+            return
+        if all(s.training_state is TrainingState.IDLE for s in states):
+            group.reshard()
+
+    return hook
 
 
 def _entries(group: ParamGroup, module: nn.Module) -> list[tuple[str, ShardedParam]]:
