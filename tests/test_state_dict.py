@@ -462,3 +462,29 @@ def test_get_state_dict_between_forward_and_backward() -> None:
     for (losses, params), (torch_losses, torch_params) in zip(ours, theirs):
         assert losses == torch_losses
         assert all(torch.equal(params[name], torch_params[name]) for name in torch_params)
+
+
+def _load_from_another_mesh(rank: int, world_size: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+
+    flat = init_device_mesh("cpu", (world_size,))
+    square = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    values = {k: v * 2 + 1 for k, v in nn.Linear(6, 5).state_dict().items()}
+    for model_mesh, value_mesh, placements in ((flat, square, [Replicate(), Shard(0)]), (square, flat, [Shard(0)])):
+        for assign in (False, True):
+            model = nn.Linear(6, 5)
+            fully_shard(model, mesh=model_mesh)
+            params = list(model.parameters())
+            sd = {k: distribute_tensor(v, value_mesh, placements) for k, v in values.items()}
+            model.load_state_dict(sd, assign=assign)
+            assert all(a is b for a, b in zip(model.parameters(), params))  # the optimizer's objects stay live
+            for name, p in model.named_parameters():
+                assert p.device_mesh == model_mesh and torch.equal(p.full_tensor(), values[name])
+
+
+def test_load_state_dict_from_another_mesh() -> None:
+    """DTensor values on another mesh over the same ranks (a 2-D mesh into a 1-D-sharded model, and back) load,
+    with and without assign=True (FSDP2 raises: copy_ between meshes)."""
+    run_ranks(4, _load_from_another_mesh)
