@@ -552,3 +552,27 @@ def test_a_group_never_synced_leaves_the_checks_per_step() -> None:
     lengths = run_ranks(2, _one_group_never_synced, timeout=90)
     assert lengths[0] == lengths[1] and len(lengths[0]) == 4 and len(set(lengths[0])) == 1, lengths
 
+
+
+def _late_first_forward(rank: int, world_size: int) -> tuple[str, tuple[int, ...]] | None:
+    fullshard.set_collective_timeout(1)
+    torch.manual_seed(0)
+    model = MLP()
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    if rank == 1:  # still loading data, say, past the timeout: it never reaches the first forward here
+        time.sleep(3)
+        return None
+    with pytest.raises(RankFailureError) as info:
+        _step(model, 0)
+    return str(info.value), info.value.ranks
+
+
+def test_a_rank_late_to_the_first_forward_is_named() -> None:
+    """The first forward sets up the divergence checks with every peer; one that does not come within the
+    collective timeout is named by a RankFailureError (it was torch's DistStoreError, naming no rank)."""
+    message, ranks = run_ranks(2, _late_first_forward)[0]
+    assert ranks == (1,)
+    assert message.startswith("fullshard: the first forward on rank 0 waited 1 s for the ranks [0, 1] to start "
+                              "theirs: rank 1 did not"), message

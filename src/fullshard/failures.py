@@ -249,8 +249,21 @@ class Monitor:
         # reads every peer's in one store operation; the backend's rendezvous below waits for every peer's too.
         self.store.set(f"{key}done/{dist.get_rank()}", "-1 -1")
         self.store.set(f"{key}wait/{dist.get_rank()}", "")
-        backend = dist.ProcessGroupGloo(dist.PrefixStore(key + "pg/", self.store), ranks.index(dist.get_rank()),
-                                        len(ranks), datetime.timedelta(seconds=_timeout_s))
+        try:
+            backend = dist.ProcessGroupGloo(dist.PrefixStore(key + "pg/", self.store), ranks.index(dist.get_rank()),
+                                            len(ranks), datetime.timedelta(seconds=_timeout_s))
+        except dist.DistError as err:  # DistStoreError: a peer did not come within the timeout
+            try:
+                late = [r for r in ranks if not self.store.check([f"{key}done/{r}"])]
+            except Exception:  # noqa: BLE001 - the store is gone too: say what is known
+                late = []
+            who = f"rank{'s' if len(late) > 1 else ''} {', '.join(map(str, late))}" if late else "a peer"
+            raise RankFailureError(
+                f"fullshard: the first forward on rank {dist.get_rank()} waited {_timeout_s:g} s for the ranks "
+                f"{list(ranks)} to start theirs: {who} did not (stuck or slower before it, running other code, or "
+                "dead); fullshard.set_collective_timeout(seconds) sets how long to wait",
+                tuple(late),
+            ) from err
         return Track(ranks, group, backend, dist.get_backend(group) == "gloo", key)
 
     def set_timeout(self, seconds: float) -> None:
