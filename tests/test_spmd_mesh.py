@@ -277,8 +277,12 @@ def _bad_input(rank: int, world_size: int) -> None:
     fully_shard(tied[0], mesh=mesh, dp_mesh_dims=dims)
     with pytest.raises(ValueError, match="is a DTensor .* a tie across fully_shard groups is supported for plain"):
         fully_shard(tied, mesh=mesh, dp_mesh_dims=dims)  # (FSDP2 raises a ValueError at the first forward)
-    with pytest.raises(ValueError, match="names a mesh axis twice"):
+    with pytest.raises(ValueError, match="names a mesh axis twice") as twice:
         fully_shard(on(mesh, [Replicate()]), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="fsdp", replicate="fsdp"))
+    assert isinstance(twice.value, RuntimeError)  # FSDP2's type (overlapping meshes)
+    with pytest.raises(AttributeError, match="dp_mesh_dims must be a torch.distributed.fsdp.DataParallelMeshDims") as kind:
+        fully_shard(on(mesh, [Replicate()]), mesh=mesh, dp_mesh_dims={"shard": "fsdp"})
+    assert isinstance(kind.value, TypeError)
 
 
 def test_bad_input() -> None:

@@ -248,8 +248,13 @@ def _bad_tp(rank: int, world_size: int) -> str:
     lin.weight = nn.Parameter(distribute_tensor(lin.weight.detach(), mesh, [Shard(0)]))
     with pytest.raises(ValueError, match="already a DTensor on the mesh fully_shard shards over") as err:
         fully_shard(lin, mesh=mesh)
-    assert isinstance(err.value, TypeError)  # FSDP2's type
+    assert isinstance(err.value, RuntimeError)  # FSDP2's type ("Cannot concatenate overlapping meshes")
     assert not isinstance(lin, fullshard.FSDPModule)
+    unnamed = nn.Linear(4, 4)  # a tensor-parallel parameter beside a data-parallel mesh without axis names
+    unnamed.weight = nn.Parameter(distribute_tensor(unnamed.weight.detach(), mesh, [Shard(0)]))
+    with pytest.raises(ValueError, match="to be distinct named axes of one mesh") as named:
+        fully_shard(unnamed, mesh=init_device_mesh("cpu", (2,)))
+    assert isinstance(named.value, TypeError)  # FSDP2's type
     return str(err.value)
 
 

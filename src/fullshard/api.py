@@ -25,6 +25,7 @@ from fullshard.errors import (
     AlreadyShardedError,
     ArgumentTypeError,
     EmptyModulesError,
+    OverlappingMeshError,
     ShardedElsewhereError,
     UnsupportedError,
     UsageError,
@@ -450,7 +451,7 @@ def _check_tensor_parallel(param: DTensor, fqn: str, mesh_info: MeshInfo) -> Non
             f"DTensor and {mesh_info.mesh.device_type} for FSDP (parameter {fqn!r})"
         )
     if tp_mesh == mesh_info.mesh or set(tp_mesh.mesh_dim_names or ()) & set(mesh_info.mesh.mesh_dim_names or ()):
-        raise ShardedElsewhereError(
+        raise OverlappingMeshError(
             f"parameter {fqn!r} is already a DTensor on the mesh fully_shard shards over ({tp_mesh}); a DTensor "
             "parameter must be tensor parallel, on other axes of the same mesh (e.g. mesh['tp'] beside mesh['dp'])"
         )

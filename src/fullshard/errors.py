@@ -51,7 +51,16 @@ class ReduceDtypeError(DtypeError, TypeError):
 
 class ShardedElsewhereError(ValueError, TypeError):
     """``fully_shard`` on a module whose parameter is sharded over the mesh already: by another call (a child after
-    its parent), or as a ``DTensor`` on that mesh itself (FSDP2 raises ``TypeError``)."""
+    its parent; FSDP2 raises ``TypeError``), or as a ``DTensor`` on that mesh itself (:class:`OverlappingMeshError`)."""
+
+
+class OverlappingMeshError(ShardedElsewhereError, RuntimeError):
+    """A ``DTensor`` parameter on (axes of) the mesh ``fully_shard`` shards over, or ``dp_mesh_dims`` naming an axis
+    twice (FSDP2 raises ``RuntimeError``: the meshes overlap)."""
+
+
+class UnnamedMeshError(ValueError, TypeError):
+    """A tensor-parallel parameter beside a data-parallel mesh without axis names (FSDP2 fails with ``TypeError``)."""
 
 
 def expect_bool(where: str, name: str, value: object) -> bool:

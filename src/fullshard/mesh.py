@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 
-from fullshard.errors import ArgumentTypeError, UsageError
+from fullshard.errors import ArgumentTypeError, OverlappingMeshError, UnnamedMeshError, UsageError
 
 try:
     from torch.distributed.fsdp import DataParallelMeshDims
@@ -149,6 +149,9 @@ def resolve_mesh(mesh: DeviceMesh | None, dp_mesh_dims: object | None = None) ->
 
 def _mesh_info_from_names(mesh: DeviceMesh, dims: object) -> MeshInfo:
     """``dp_mesh_dims`` (torch's ``DataParallelMeshDims``): the data-parallel axes of the SPMD mesh ``mesh``."""
+    if not hasattr(dims, "shard_names") and not hasattr(dims, "replicate_names"):
+        raise ArgumentTypeError(
+            f"dp_mesh_dims must be a torch.distributed.fsdp.DataParallelMeshDims, got {type(dims).__name__}")
     shard_names: tuple[str, ...] = tuple(getattr(dims, "shard_names", ()))
     replicate_names: tuple[str, ...] = tuple(getattr(dims, "replicate_names", ()))
     if not shard_names and not replicate_names:
@@ -159,7 +162,7 @@ def _mesh_info_from_names(mesh: DeviceMesh, dims: object) -> MeshInfo:
         if name not in mesh.mesh_dim_names:
             raise ValueError(f"Mesh dim name '{name}' not found in mesh.mesh_dim_names {mesh.mesh_dim_names}")
     if len(set(shard_names + replicate_names)) < len(shard_names + replicate_names):
-        raise ValueError(f"dp_mesh_dims names a mesh axis twice: {dims}")
+        raise OverlappingMeshError(f"dp_mesh_dims names a mesh axis twice: {dims}")
 
     def axes(names: tuple[str, ...]) -> DeviceMesh:  # one axis, or several flattened into one
         return mesh[names[0]] if len(names) == 1 else mesh[names]._flatten("_".join(names))
@@ -201,7 +204,7 @@ def concatenate_meshes(*meshes: DeviceMesh) -> DeviceMesh:
     names = [m.mesh_dim_names for m in meshes]
     flat = [n for axes in names if axes is not None for n in axes]
     if any(axes is None for axes in names) or len(set(flat)) < len(flat):
-        raise ValueError(
+        raise (UnnamedMeshError if any(axes is None for axes in names) else OverlappingMeshError)(
             f"a tensor-parallel parameter needs the data-parallel mesh and its own mesh (axes {tuple(names)}) to be "
             "distinct named axes of one mesh, e.g. mesh['dp'] and mesh['tp'] of "
             "init_device_mesh(..., mesh_dim_names=('dp', 'tp'))"
