@@ -26,13 +26,18 @@ def _step(model: torch.nn.Module, seed: int) -> None:
     mse_loss(model, regression_batch(torch.Generator().manual_seed(seed))).backward()
 
 
-def _worker(rank: int, world_size: int, out: str, mode: str) -> None:
-    fullshard.set_collective_timeout(3)
+def _sharded_mlp(timeout: float) -> MLP:
+    fullshard.set_collective_timeout(timeout)
     torch.manual_seed(0)
     model = MLP()
     for layer in model.layers:
         fully_shard(layer)
     fully_shard(model)
+    return model
+
+
+def _worker(rank: int, world_size: int, out: str, mode: str) -> None:
+    model = _sharded_mlp(3)
     _step(model, 0)  # every rank took part once: heartbeats are running
     time.sleep(1.5)
     if rank == 1:
@@ -555,12 +560,7 @@ def test_a_group_never_synced_leaves_the_checks_per_step() -> None:
 
 
 def _late_first_forward(rank: int, world_size: int) -> tuple[str, tuple[int, ...]] | None:
-    fullshard.set_collective_timeout(1)
-    torch.manual_seed(0)
-    model = MLP()
-    for layer in model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+    model = _sharded_mlp(1)
     if rank == 1:  # still loading data, say, past the timeout: it never reaches the first forward here
         time.sleep(3)
         return None
