@@ -203,8 +203,9 @@ def concatenate_meshes(*meshes: DeviceMesh) -> DeviceMesh:
     """The mesh whose axes are those of ``meshes`` in order: distinct named axes of one mesh (e.g. its dp and tp)."""
     names = [m.mesh_dim_names for m in meshes]
     flat = [n for axes in names if axes is not None for n in axes]
-    if any(axes is None for axes in names) or len(set(flat)) < len(flat):
-        raise (UnnamedMeshError if any(axes is None for axes in names) else OverlappingMeshError)(
+    unnamed = any(axes is None for axes in names)
+    if unnamed or len(set(flat)) < len(flat):
+        raise (UnnamedMeshError if unnamed else OverlappingMeshError)(
             f"a tensor-parallel parameter needs the data-parallel mesh and its own mesh (axes {tuple(names)}) to be "
             "distinct named axes of one mesh, e.g. mesh['dp'] and mesh['tp'] of "
             "init_device_mesh(..., mesh_dim_names=('dp', 'tp'))"
