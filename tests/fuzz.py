@@ -77,6 +77,7 @@ class Case:
     zero_numel: bool = False  # a zero-element parameter in block 0
     frozen: bool = False  # block 0's bias (or weight) does not train
     tie: str = "none"  # none | within (pre/post tied, both in the root group) | across (separate groups) | after
+    # (tied after every fully_shard call) | module (the blocks share one small module, each block its own call)
     branch: str = "none"  # none | steps (the last block skipped on odd steps) | ranks (an extra layer in block 0
     # used on rank 0 only) | param_steps (that extra layer used on even steps only: its parameters miss steps) |
     # micro (the last block skipped in each step's last micro-batch: with accumulation, it runs only without sync) |
@@ -357,7 +358,7 @@ def _draw_rest(seed: int, kw: dict[str, Any]) -> Case:
     case = Case(seed, **kw)
     for more in (_draw_more, _draw_user, _draw_start, _draw_controls, _draw_later, _draw_strided, _draw_scalar,
                  _draw_uneven, _draw_mesh, _draw_comm, _draw_complex, _draw_jvp, _draw_metric, _draw_toggle,
-                 _draw_meta_part, _draw_summon):
+                 _draw_shared_module, _draw_meta_part, _draw_summon):
         case = more(case)
     return case
 
@@ -369,6 +370,17 @@ def _draw_summon(case: Case) -> Case:
     if rng.random() >= 0.2:
         return case
     return dataclasses.replace(case, summon=rng.choice(["edit", "grads"] + ([] if case.tp else ["eval"])))
+
+
+def _draw_shared_module(case: Case) -> Case:
+    """A module shared by every block (each sharded by a call of its own, so the root's call takes it), from a stream
+    of its own, in cases torch's FSDP2 does not run anyway (it raises for a module under two calls). Not loaded with
+    ``broadcast_from_rank0``: torch's ``set_model_state_dict`` then misses the keys of the module's second path on the
+    other ranks, sharded or not (torch 2.13)."""
+    allowed = case.tie == "none" and not case.fsdp2_supported and len(case.widths) >= 3 and case.other_mesh == "none"
+    if not (allowed and random.Random(f"shared-{case.seed}").random() < 0.25):
+        return case
+    return dataclasses.replace(case, tie="module", init="meta_copy" if case.init == "meta_broadcast" else case.init)
 
 
 def _draw_meta_part(case: Case) -> Case:
@@ -601,6 +613,8 @@ class Block(nn.Module):
                 h = h.full_tensor()
         if hasattr(self, "empty"):
             h = h + self.empty.sum()
+        if hasattr(self, "shared"):
+            h = h + self.shared(h.mean(-1, keepdim=True).to(self.shared.weight.dtype)).to(h.dtype)
         if hasattr(self, "extra") and (self.active_rank == 0 if self.case.branch == "ranks" else self.step % 2 == 0):
             h = h + self.extra(h)
         h = torch.tanh(h)
@@ -629,7 +643,11 @@ class Net(nn.Module):
         self.post = nn.Linear(d, d, bias=False)
         if case.reuse:
             self.twice = Block(case, -1, d, d)
-        if case.tie != "none":  # ("after": untied while sharding, see shard())
+        if case.tie == "module":
+            shared = nn.Linear(1, 1)
+            for block in self.blocks:
+                block.shared = shared
+        elif case.tie != "none":  # ("after": untied while sharding, see shard())
             self.post.weight = self.pre.weight
         if case.scalar:
             self.temperature = nn.Parameter(torch.tensor(1.1))

@@ -56,7 +56,8 @@ def _shared_by_two_calls() -> None:
     shared = nn.Linear(2, 2)
     model = nn.Sequential(nn.Sequential(shared), nn.Sequential(shared))
     fully_shard(model[0])
-    fully_shard(model[1])
+    fully_shard(model[1])  # no call on model to take the shared module: its first forward raises
+    model(torch.randn(2, 2))
 
 
 def _enter(context: Any) -> None:
@@ -110,7 +111,7 @@ FULLY_SHARD: list[tuple[str, Callable[[nn.Module], Any], Kinds, str]] = [
 
 CALLS: list[tuple[str, Callable[[], Any], Kinds, str]] = [
     ("fully_shard on a child after its parent", lambda: fully_shard(sharded()[2]), (ValueError, TypeError),
-     "parameter 'weight' is already sharded by the fully_shard call on 'Sequential', which is not inside this call: apply "
+     "parameter 'weight' is already sharded by the fully_shard call on 'Sequential', which encloses this call: apply "
      "fully_shard to submodules before their parents"),
     ("set_requires_gradient_sync", lambda: sharded().set_requires_gradient_sync("no"), TypeError,
      "set_requires_gradient_sync: requires_gradient_sync must be a bool, got str"),
@@ -145,8 +146,9 @@ CALLS: list[tuple[str, Callable[[], Any], Kinds, str]] = [
     ("set_modules_to_forward_prefetch str", lambda: sharded().set_modules_to_forward_prefetch("ab"), ValueError,
      "Expects FSDPModule but got str"),
     ("share_comm_ctx str", lambda: fullshard.share_comm_ctx("ab"), ValueError, "Expects FSDPModule but got str"),
-    ("fully_shard on a module shared with a sharded sibling", _shared_by_two_calls, (ValueError, TypeError),
-     "a module used under two fully_shard calls is sharded on its own first"),
+    ("a module shared by two calls and no call enclosing both", _shared_by_two_calls, (ValueError, TypeError),
+     "call fully_shard on a common ancestor of the modules sharing it before the first forward, or shard the shared "
+     r"module on its own first \(fully_shard\(shared\), then the others\)"),
     ("reset_iter_state on a child", lambda: _child_after_a_step().reset_iter_state(), RuntimeError,
      "reset_iter_state must be called on the root module"),
     ("unshard", lambda: sharded().unshard(async_op="x"), TypeError, "unshard: async_op must be a bool, got str"),

@@ -302,6 +302,99 @@ def test_tie_errors() -> None:
     run_ranks(2, _tie_sharded_differently)
 
 
+class SharedBlocks(nn.Module):
+    """Two blocks that both use one module (a block shared by two layers, as in Zamba's hybrid layers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        shared = nn.Linear(5, 5)
+        self.a = nn.Sequential(nn.Linear(5, 5), nn.Tanh(), shared)
+        self.b = nn.Sequential(shared, nn.Tanh(), nn.Linear(5, 5))
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+def _module_shared_by_two_calls(rank: int, world_size: int, layout: str) -> None:
+    def shard(model: SharedBlocks) -> None:
+        if layout == "list":
+            fully_shard([model.a, model.b])
+        else:
+            fully_shard(model.a)
+            fully_shard(model.b)  # leaves the shared module's parameters to a call enclosing both
+        fully_shard(model, reshard_after_forward=layout == "root_resharded")
+
+    _, model = run_parity(rank, world_size, SharedBlocks, shard, lambda g: regression_batch(g, 5, 3), mse_loss)
+    assert model.a[2] is model.b[0] and isinstance(model.a[2].weight, DTensor)
+    own = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    assert {"a.2.weight", "b.0.weight"} <= own
+    if layout == "list":  # the list call encloses both paths: its group holds the shared module
+        assert {p.fqn for p in state_of(model.a).group.params} >= {"a.2.weight", "a.2.bias"}
+    else:  # the root's call takes it, and only one group all-gathers it
+        assert {p.fqn for p in state_of(model).group.params} == {"head.weight", "head.bias", "a.2.weight", "a.2.bias"}
+        assert {p.fqn for p in state_of(model.b).group.params} == {"b.2.weight", "b.2.bias"}
+        assert {p.fqn for p in state_of(model.a).group.params} == {"a.0.weight", "a.0.bias"}
+
+
+def _module_shared_without_common_call(rank: int, world_size: int) -> None:
+    model = SharedBlocks()
+    fully_shard(model.a, reshard_after_forward=True)
+    fully_shard(model.b, reshard_after_forward=True)  # nothing encloses both: a's group alone shards the module
+    with pytest.raises((ValueError, TypeError), match=r"parameter '0.weight' is sharded by a fully_shard call outside "
+                       r"this root's module tree .*call fully_shard on a common ancestor"):
+        model(torch.randn(2, 5))
+
+
+@pytest.mark.parametrize("layout", ["siblings", "root_resharded", "list"])
+def test_module_shared_by_two_calls_trains_as_unsharded(layout: str) -> None:
+    """torch's FSDP2 raises for a module under two fully_shard calls ("Invariant encountered"); here the nearest
+    call enclosing both takes its parameters, as for a tie across groups."""
+    run_ranks(2, _module_shared_by_two_calls, layout)
+    if layout == "siblings":
+        run_ranks(4, _module_shared_by_two_calls, layout)
+        run_ranks(2, _module_shared_without_common_call)
+
+
+class MixedBlock(nn.Module):
+    """Layers of two dtypes: its group all-gathers through codecs ([Note: Mixed dtypes] in group.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin32 = nn.Linear(4, 4)
+        self.lin64 = nn.Linear(4, 4).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin64(torch.tanh(self.lin32(x)).double())).float()
+
+
+class TiedMixed(nn.Module):
+    """A mixed-dtype block whose first weight the head uses too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = MixedBlock()
+        self.head = nn.Linear(4, 4, bias=False)
+        self.head.weight = self.first.lin32.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.first(x))
+
+
+def _tie_leaves_a_group_with_codecs(rank: int, world_size: int) -> None:
+    def shard(model: TiedMixed) -> None:
+        fully_shard(model.first)
+        fully_shard(model)  # takes the tied weight out of first's group, which keeps its other three
+
+    _, model = run_parity(rank, world_size, TiedMixed, shard, lambda g: regression_batch(g, 4, 4), mse_loss)
+    assert [p.fqn for p in state_of(model.first).group.params] == ["first.lin32.bias", "first.lin64.weight",
+                                                                  "first.lin64.bias"]
+
+
+def test_a_tie_taken_from_a_group_with_codecs() -> None:
+    run_ranks(2, _tie_leaves_a_group_with_codecs)
+
+
 def _layer_by_layer(rank: int, world_size: int) -> None:
     # Materialise, shard and drop blocks one by one: ids of freed originals are reused, never a false tie.
     blocks = nn.ModuleList()

@@ -6,6 +6,7 @@ import functools
 import logging
 import types
 import warnings
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, Literal, NoReturn, cast, overload
 
@@ -191,11 +192,11 @@ def shard_modules(
             fqn = f"{prefix}.{name}" if prefix else name
             tied = _tied_to(param, below, below_sharded)
             if tied is None and isinstance(param, DTensor) and (owner := group_of(param)) is not None:
+                if not _encloses(owner, modules):  # a module shared with a sibling call: see the Note
+                    continue
                 raise ShardedElsewhereError(
-                    f"parameter {fqn!r} is already sharded by the fully_shard call on {owner.label!r}, which is not "
-                    "inside this call: apply fully_shard to submodules before their parents; a module used under "
-                    "two fully_shard calls is sharded on its own first (fully_shard(shared), then both), or the two "
-                    "go in one call (fully_shard([a, b]))"
+                    f"parameter {fqn!r} is already sharded by the fully_shard call on {owner.label!r}, which "
+                    "encloses this call: apply fully_shard to submodules before their parents"
                 )
             source = param if tied is None else tied.sharded
             if tied is not None:
@@ -207,7 +208,7 @@ def shard_modules(
         for buf_name, buf in mod.named_buffers(recurse=False):
             if buf.device != device and buf.device.type != "meta":
                 mod._buffers[buf_name] = buf.to(device)
-    for first in _ties_among(below):  # modules below this call sharing a parameter
+    for first in [*_ties_among(below), *_shared_beyond_owner(modules, below)]:  # modules below sharing a parameter
         ties.setdefault(first.sharded, first)
         fqns.setdefault(first.sharded, first.fqn)
         sites.setdefault(first.sharded, [])
@@ -241,6 +242,7 @@ def shard_modules(
             reduce_on_wire_only=comm_policy is not None,
         )
         made.label = type(modules[0]).__name__
+        made.call_modules = weakref.WeakSet(modules)
         made.codecs = make_codecs(made, comm_policy, mp_policy)
         size = post_forward_sizes[info]
         if size is not None:
@@ -358,7 +360,11 @@ def _params_of_groups_below(modules: list[nn.Module]) -> dict[ShardedParam, Hook
 # - a module of this call holds the original parameter, or the sharded parameter of a
 #   group below (tied after fully_shard);
 # - two groups below sharded the same original (the later one knows the first one).
-# When no call on a common ancestor takes it, lazy init raises (two copies would train).
+# - a module used under two calls that do not enclose each other (a block shared by two
+#   layers, each sharded on its own): the first call shards its parameters and the
+#   second leaves them; the nearest call enclosing every path to the module takes them.
+# When no call on a common ancestor takes it, lazy init raises (two copies would train,
+# or, for a shared module, the second call's forward would meet sharded parameters).
 
 
 def _tied_to(
@@ -376,6 +382,29 @@ def _first_claimant(sp: ShardedParam, below: dict[ShardedParam, HookState]) -> S
     while sp.shared_with is not None and sp.shared_with in below:
         sp = sp.shared_with
     return sp
+
+
+def _encloses(group: ParamGroup, modules: list[nn.Module]) -> bool:
+    """Whether the fully_shard call that formed ``group`` was applied to (an ancestor of) one of ``modules``."""
+    return any(top is m for owner in group.call_modules for m in owner.modules() for top in modules)
+
+
+def _shared_beyond_owner(modules: list[nn.Module], below: dict[ShardedParam, HookState]) -> list[ShardedParam]:
+    """Sharded parameters of groups below whose modules are also reached by a path that their own call does not
+    enclose (a module shared by two sibling calls): this call, the nearest enclosing every path, takes them."""
+    paths: dict[nn.Module, list[str]] = {}
+    for i, top in enumerate(modules):
+        for name, mod in top.named_modules(remove_duplicate=False, prefix=str(i)):
+            paths.setdefault(mod, []).append(name)
+    taken = []
+    for sp, state in below.items():
+        users = [path for site in sp.sites for path in paths.get(site.module, ())]
+        if len(users) < 2:
+            continue
+        own = [path for member in state.modules for path in paths.get(member, ())]
+        if not all(any(u == o or u.startswith(o + ".") for o in own) for u in users):
+            taken.append(_first_claimant(sp, below))
+    return taken
 
 
 def _tied_with(first: ShardedParam, below: dict[ShardedParam, HookState]) -> list[ShardedParam]:

@@ -122,6 +122,7 @@ class ParamGroup:
         self.device = device
         self.streams = streams
         self.label = ""  # qualified module name, filled in at lazy init
+        self.call_modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # the fully_shard call's modules
         self.layout = GroupLayout(tuple(p.layout for p in params))
         orig_dtype = params[0].orig_dtype
         # Parameters of several dtypes ([Note: Mixed dtypes]): byte buffers with typed views.
@@ -529,6 +530,8 @@ class ParamGroup:
         if self.state is not ShardedState.SHARDED:
             raise AssertionError(f"group {self.label!r}: removing parameters in state {self.state.name}")
         self.params = [p for p in self.params if p not in leaving]
+        if self.codecs is not None:
+            self.codecs = [codec for codec in self.codecs if all(codec.param is not p for p in leaving)]
         self._register_owner()
         self.layout = GroupLayout(tuple(p.layout for p in self.params))
         self.reducer = self.reducer.renewed()

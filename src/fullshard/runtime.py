@@ -64,8 +64,9 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from fullshard import failures
 from fullshard.collectives import CommStreams, profiled
+from fullshard.errors import ShardedElsewhereError
 from fullshard.group import ParamGroup, ShardedState, group_of
-from fullshard.param import registrations
+from fullshard.param import registrations, unsharded_owner
 from fullshard.policy import MixedPrecisionPolicy
 from fullshard.reduce import PendingReduce, ReduceSettings
 
@@ -1023,6 +1024,7 @@ def _take_over_assignments(states: list[HookState], module_names: dict[nn.Module
     for group in (group for state in states for group in state.groups):
         group.relink()  # also after conversions that bypassed FSDPModule._apply (a submodule's to())
     _warn_unmanaged(states, module_names)
+    _check_foreign_params(states, module_names)
 
 
 def _reshard_keeping_assignments(groups: list[ParamGroup]) -> None:
@@ -1173,6 +1175,25 @@ def _warn_unmanaged(states: list[HookState], module_names: dict[nn.Module, str])
             "as ignored_params and synchronise them yourself",
             stacklevel=2,
         )
+
+
+def _check_foreign_params(states: list[HookState], module_names: dict[nn.Module, str]) -> None:
+    """Raise if a module of this tree holds a parameter that a fully_shard call outside the tree shards: a module
+    shared with a sibling call and no call on a common ancestor to take it ([Note: Tied parameters across
+    groups] in api.py); its forward here would meet the sharded parameter, or the other call's unsharded one, which
+    that call reduces and frees on its own schedule."""
+    ours = {id(t) for state in states for group in state.groups for p in group.params for t in (p.sharded, p.unsharded)}
+    for module, prefix in module_names.items():
+        for name, param in module._parameters.items():
+            if param is not None and id(param) not in ours and (
+                    group_of(param) is not None or unsharded_owner(param) is not None):
+                fqn = f"{prefix}.{name}" if prefix else name
+                raise ShardedElsewhereError(
+                    f"parameter {fqn!r} is sharded by a fully_shard call outside this root's module tree (its "
+                    "module is shared with another fully_shard call), which gathers and frees it on its own schedule: call "
+                    "fully_shard on a common ancestor of the modules sharing it before the first forward, or shard "
+                    "the shared module on its own first (fully_shard(shared), then the others)"
+                )
 
 
 def _check_no_shared_originals(states: list[HookState]) -> None:
