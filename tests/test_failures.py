@@ -17,6 +17,8 @@ from torch.distributed.device_mesh import init_device_mesh
 import fullshard
 from fullshard import RankFailureError, fully_shard
 from fullshard.cli import launch
+from fullshard.group import ShardedState
+from fullshard.runtime import state_of
 from tests.harness import run_ranks
 from tests.models import MLP, mse_loss
 from tests.parity import regression_batch
@@ -456,6 +458,32 @@ def _inference_loop(rank: int, world_size: int) -> list[int]:
             counts.append(len(before))
             before.clear()
     return counts + [len(ends)]
+
+
+def _submodule_loop(rank: int, world_size: int, grad: bool) -> list[int]:
+    model = sharded_blocks(30)
+    x = torch.randn(4, 8)
+    model(x, [0, 1, 2]).sum().backward()
+    tracks = [t for t in state_of(model).ctx.monitor.tracks.values() if t is not None]
+    lengths = []
+    for _ in range(6):  # a sharded submodule's forward on its own (an encoder's features, a get_*_features)
+        with torch.set_grad_enabled(grad):
+            out = model.blocks[1](x)
+        if grad:
+            out.sum().backward()
+        lengths.append(max(len(t.entries) for t in tracks))
+        # nothing prefetched for the blocks after it in the root's forward (they do not run here)
+        assert [g.state for b in (0, 2) for g in state_of(model.blocks[b]).groups] == [ShardedState.SHARDED] * 2
+    model(x, [0, 1, 2]).sum().backward()  # and training goes on
+    return lengths
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "trained"])
+def test_submodule_loops_keep_one_forward_of_checks(grad: bool) -> None:
+    """A loop over a sharded submodule's forward alone ends each one's list at the next, as root forwards do (an
+    all-gather each), instead of growing it until a root forward; with backward each ends at its backward."""
+    lengths = run_ranks(2, _submodule_loop, grad, timeout=60)[0]
+    assert lengths == [0 if grad else 1] * 6, lengths
 
 
 def test_forward_only_loops_reach_a_steady_state() -> None:

@@ -325,6 +325,17 @@ class Monitor:
             self._end_segments()
         self.forward_open = True
 
+    def submodule_forward(self, needs_backward: bool | None = None) -> None:
+        """A sharded submodule's forward run on its own (not inside the root's forward or a backward), at its
+        pre-forward (``needs_backward`` None) and post-forward: one that no backward follows (inference) ends at
+        the next forward, as the root's do, so a loop of them keeps one forward's list."""
+        if needs_backward is None:
+            if self.forward_open:
+                self._end_segments()
+            self.forward_open = False
+        elif not needs_backward:
+            self.forward_open = True
+
     def end_backward(self, synced: bool = True) -> None:
         """The end of a backward; ``synced``: no group of the root had gradient sync switched off. A backward
         without sync that reduced nothing (ranks may run different numbers of those: micro-batches whose unsharded

@@ -218,6 +218,8 @@ class IterationContext:
         self.pending_reduces: list[PendingReduce] = []  # issued since the last drain, oldest first
         self.inputs_in_flight: deque[PendingReduce] = deque()  # whose reduce-scatter input is still held
         self.end_of_backward_queued = False
+        self.in_root_forward = False
+        self.submodule_depth = 0  # nested forwards of sharded submodules run on their own (no root forward)
         self.graph_kept = False  # a create_graph=True backward's graph holds the unsharded buffers ([Note: Double backward])
         # A forward or backward since the last optimizer step may have left groups unsharded
         # ([Note: Sharded parameters changed while unsharded]).
@@ -240,6 +242,7 @@ class IterationContext:
 
     def start_forward(self) -> None:
         """The root's pre-forward: a new iteration's order begins."""
+        self.in_root_forward, self.submodule_depth = True, 0
         self.pre_order, self.post_order = [], []
         self._seen_pre, self._seen_post = set(), set()
         for state in self.states:
@@ -257,6 +260,7 @@ class IterationContext:
 
     def end_forward(self) -> None:
         """The root's post-forward: plan the next prefetches and drop the ones this forward did not use."""
+        self.in_root_forward = False
         if (self.pre_order, self.post_order) != self._planned_from:
             self._planned_from = (self.pre_order, self.post_order)
             self.forward_next = _following(self.pre_order, self.forward_prefetch_depth)
@@ -700,6 +704,10 @@ class HookState:
                 ctx.start_forward()
                 self.streams.shards_written(ctx.post_optim_event)  # the optimizer step (or the given event) came last
                 ctx.post_optim_event = None
+            elif not ctx.in_root_forward:  # a submodule's forward on its own
+                ctx.submodule_depth += 1
+                if ctx.submodule_depth == 1:
+                    ctx.monitor.submodule_forward()
             self.training_state = TrainingState.FORWARD
             ctx.record_pre_forward(self)
             groups = self.groups
@@ -710,7 +718,9 @@ class HookState:
                     for group in groups:
                         group.unshard()
                     targets = self.forward_prefetch
-                    self._prefetch(ctx.forward_next.get(self, ()) if targets is None else targets, backward=False)
+                    if targets is None:  # implicit: the modules after this one in the last root forward
+                        targets = ctx.forward_next.get(self, ()) if self.is_root or ctx.in_root_forward else ()
+                    self._prefetch(targets, backward=False)
         if self.is_root:
             args, kwargs = self._root_inputs(args, kwargs)
         args, kwargs = self._cast_inputs(args, kwargs)
@@ -752,6 +762,10 @@ class HookState:
         else:
             needs_backward = self._register_pre_backward(output)
         self.training_state = TrainingState.IDLE
+        if not self.is_root and not ctx.in_root_forward and ctx.submodule_depth:
+            ctx.submodule_depth -= 1
+            if not ctx.submodule_depth:
+                ctx.monitor.submodule_forward(needs_backward)
         with _outside_functorch(transformed):
             ctx.record_post_forward(self)
             if self.is_root:
