@@ -717,7 +717,7 @@ class HookState:
                     # at most one all-gather output is live beside the unsharded groups ([Note: Prefetch]).
                     for group in groups:
                         group.unshard()
-                    targets = self.forward_prefetch
+                    targets: Iterable[HookState] | None = self.forward_prefetch
                     if targets is None:  # implicit: the modules after this one in the last root forward
                         targets = ctx.forward_next.get(self, ()) if self.is_root or ctx.in_root_forward else ()
                     self._prefetch(targets, backward=False)
