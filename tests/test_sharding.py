@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 import pytest
@@ -274,8 +275,18 @@ def _bad_int(rank: int, world_size: int) -> None:
         fully_shard(nn.Linear(4, 4), reshard_after_forward=3)
     with pytest.raises(ValueError, match="should be a factor of 4, not 0"):
         fully_shard(nn.Linear(4, 4), reshard_after_forward=0)
-    one = fully_shard(nn.Linear(4, 4), reshard_after_forward=1)
-    assert state_of(one).reshard_after_forward is False
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("torch.distributed.fsdp.fully_shard").addHandler(handler)
+    try:
+        for _ in range(2):
+            one = fully_shard(nn.Linear(4, 4), reshard_after_forward=1)
+            assert state_of(one).reshard_after_forward is False
+    finally:
+        logging.getLogger("torch.distributed.fsdp.fully_shard").removeHandler(handler)
+    # once, a warning on FSDP2's logger, as FSDP2 logs it
+    assert [(r.levelno, "reshard_after_forward=1 (int)" in r.getMessage()) for r in records] == [(logging.WARNING, True)]
 
 
 def test_reshard_after_forward_int_validation() -> None:

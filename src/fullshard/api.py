@@ -56,6 +56,8 @@ from fullshard.runtime import (
 from fullshard.state_dict import register_state_dict_hooks
 
 log = logging.getLogger("fullshard")
+_fsdp2_log = logging.getLogger("torch.distributed.fsdp.fully_shard")
+_warned_int_one: list[bool] = []
 
 _ShardPlacementFn = Callable[[nn.Parameter], Shard | None]
 _optimizer_hooks_installed = False
@@ -280,7 +282,10 @@ def _resolve_reshard_after_forward(value: bool | int | None, mesh_info: MeshInfo
     if value < 1 or value > size or size % value:
         raise ValueError(f"If passing reshard_after_forward as an int, it should be a factor of {size}, not {value}")
     if value == 1:
-        log.warning("reshard_after_forward=1 (int) keeps the parameters unsharded after forward, like False")
+        if not _warned_int_one:  # once per process, on torch's FSDP2 logger (code that filters or captures it)
+            _warned_int_one.append(True)
+            _fsdp2_log.warning("reshard_after_forward=1 (int) reshards to groups of one rank: it keeps the "
+                               "parameters unsharded after forward, like False; pass True to reshard")
         return False, None
     if value == size:
         return True, None
