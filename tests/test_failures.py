@@ -474,16 +474,33 @@ def _submodule_loop(rank: int, world_size: int, grad: bool) -> list[int]:
         lengths.append(max(len(t.entries) for t in tracks))
         # nothing prefetched for the blocks after it in the root's forward (they do not run here)
         assert [g.state for b in (0, 2) for g in state_of(model.blocks[b]).groups] == [ShardedState.SHARDED] * 2
-    model(x, [0, 1, 2]).sum().backward()  # and training goes on
-    return lengths
+    if not grad:  # a forward on its own that raises (caught) leaves nothing counted
+        with pytest.raises(RuntimeError), torch.no_grad():
+            model.blocks[1](torch.randn(4, 7))
+        for _ in range(3):
+            with torch.no_grad():
+                model.blocks[1](x)
+            lengths.append(max(len(t.entries) for t in tracks))
+    from fullshard import failures
+
+    ends = []
+    real = failures.Monitor._end_check
+    failures.Monitor._end_check = lambda monitor, track: (ends.append(1), real(monitor, track))[1]  # type: ignore
+    try:
+        for _ in range(3):  # a submodule run on the root's output, in the same backward: one end check per step
+            model.blocks[2](model(x, [0, 1])).sum().backward()
+    finally:
+        failures.Monitor._end_check = real  # type: ignore[method-assign]
+    return lengths + [len(ends)]
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["inference", "trained"])
 def test_submodule_loops_keep_one_forward_of_checks(grad: bool) -> None:
     """A loop over a sharded submodule's forward alone ends each one's list at the next, as root forwards do (an
     all-gather each), instead of growing it until a root forward; with backward each ends at its backward."""
-    lengths = run_ranks(2, _submodule_loop, grad, timeout=60)[0]
-    assert lengths == [0 if grad else 1] * 6, lengths
+    *lengths, ends = run_ranks(2, _submodule_loop, grad, timeout=60)[0]
+    assert lengths == [0 if grad else 1] * (6 if grad else 9), lengths
+    assert ends == (3 if grad else 4), ends  # (inference: the first root forward ends the last loop forward's list)
 
 
 def test_forward_only_loops_reach_a_steady_state() -> None:

@@ -220,6 +220,7 @@ class Monitor:
         self.key = f"{_prefix()}m{zlib.crc32(str(scope).encode()):08x}-{self.number}/"
         self.tracks: dict[dist.ProcessGroup, Track | None] = {}
         self.forward_open = False  # a root forward ran since the last end of backward
+        self.submodule_open = False  # so did a submodule's forward on its own, without backward
         self.waiting: tuple[Ticket, float] | None = None  # the host wait in progress, since when
         self.published: set[Track] = set()  # tracks with a wait posted in the store (removed when it ends)
         self.raised: set[str] = set()  # verdicts this monitor raised (a posted one is news only once)
@@ -321,20 +322,20 @@ class Monitor:
 
     def root_forward(self) -> None:
         """The root's pre-forward: a forward since the last end check ran without backward, so end its segments."""
-        if self.forward_open:
+        if self.forward_open or self.submodule_open:
             self._end_segments()
-        self.forward_open = True
+        self.forward_open, self.submodule_open = True, False
 
     def submodule_forward(self, needs_backward: bool | None = None) -> None:
         """A sharded submodule's forward run on its own (not inside the root's forward or a backward), at its
         pre-forward (``needs_backward`` None) and post-forward: one that no backward follows (inference) ends at
         the next forward, as the root's do, so a loop of them keeps one forward's list."""
         if needs_backward is None:
-            if self.forward_open:
+            if self.submodule_open:  # (not a root forward's: a head run on the root's output joins its backward)
                 self._end_segments()
-            self.forward_open = False
+            self.submodule_open = False
         elif not needs_backward:
-            self.forward_open = True
+            self.submodule_open = True
 
     def end_backward(self, synced: bool = True) -> None:
         """The end of a backward; ``synced``: no group of the root had gradient sync switched off. A backward
@@ -343,6 +344,7 @@ class Monitor:
         (Decided from the settings and the lists, which agree on every rank that runs the same code.)"""
         if synced or any(t is not None and t.reduced for t in self.tracks.values()):
             self._end_segments()
+            self.submodule_open = False
         self.forward_open = False
 
     def _end_segments(self) -> None:

@@ -242,7 +242,7 @@ class IterationContext:
 
     def start_forward(self) -> None:
         """The root's pre-forward: a new iteration's order begins."""
-        self.in_root_forward, self.submodule_depth = True, 0
+        self.in_root_forward = True
         self.pre_order, self.post_order = [], []
         self._seen_pre, self._seen_post = set(), set()
         for state in self.states:
@@ -578,7 +578,12 @@ class HookState:
             # Outside any torch.compile'd region ([Note: torch.compile]): the compiled graph is the module's own code.
             module.register_forward_pre_hook(_eager(self._pre_forward_hook), prepend=True, with_kwargs=True)
             module.register_forward_hook(_eager(self._post_forward_hook), prepend=False)
-        self._callers: set[nn.Module] = set()  # [Note: Parameters used without calling their module]
+            module.register_forward_hook(_eager(self._forward_done), prepend=False, always_call=True)
+        self._callers: set[nn.Module] = set()
+        # Calls of this state's modules counted as forwards run on their own (IterationContext.submodule_depth)
+        # that have not finished yet, and whether the last one's output needs a backward.
+        self._own_calls = 0
+        self._own_needs_backward = True  # [Note: Parameters used without calling their module]
 
     def add_caller(self, caller: nn.Module) -> None:
         """Treat every call of ``caller`` as a call of this state's module ([Note: Parameters used without calling
@@ -587,7 +592,8 @@ class HookState:
             return
         self._callers.add(caller)
         caller.register_forward_pre_hook(_eager(self._pre_forward_hook), prepend=False, with_kwargs=True)
-        caller.register_forward_hook(_eager(self._post_forward_hook), prepend=True)
+        caller.register_forward_hook(_eager(self._forward_done), prepend=True, always_call=True)
+        caller.register_forward_hook(_eager(self._post_forward_hook), prepend=True)  # (before the line above)
 
     @property
     def groups(self) -> list[ParamGroup]:
@@ -706,6 +712,7 @@ class HookState:
                 ctx.post_optim_event = None
             elif not ctx.in_root_forward:  # a submodule's forward on its own
                 ctx.submodule_depth += 1
+                self._own_calls += 1
                 if ctx.submodule_depth == 1:
                     ctx.monitor.submodule_forward()
             self.training_state = TrainingState.FORWARD
@@ -762,10 +769,8 @@ class HookState:
         else:
             needs_backward = self._register_pre_backward(output)
         self.training_state = TrainingState.IDLE
-        if not self.is_root and not ctx.in_root_forward and ctx.submodule_depth:
-            ctx.submodule_depth -= 1
-            if not ctx.submodule_depth:
-                ctx.monitor.submodule_forward(needs_backward)
+        if self._own_calls:
+            self._own_needs_backward = needs_backward
         with _outside_functorch(transformed):
             ctx.record_post_forward(self)
             if self.is_root:
@@ -776,6 +781,21 @@ class HookState:
                     # forward that is back-propagated anyway all-gathers again in backward.
                     ctx.reshard_all()
         return output
+
+    def _forward_done(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        """After every forward, also one that raised (an always-called hook): the root's forward is over, or one of
+        this state's counted forwards run on their own; the outermost of those ends its part of the checks."""
+        ctx = self.ctx
+        if ctx is None or in_backward():
+            return
+        if self.is_root:
+            ctx.in_root_forward = False
+        if self._own_calls:
+            self._own_calls -= 1
+            ctx.submodule_depth -= 1
+            needs_backward, self._own_needs_backward = self._own_needs_backward, True  # (True: it raised)
+            if not ctx.submodule_depth:
+                ctx.monitor.submodule_forward(needs_backward)
 
     def _last_module_to_run(self, module: nn.Module) -> bool:
         """List groups are resharded once every module of the group ran in this forward."""
