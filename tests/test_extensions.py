@@ -237,6 +237,34 @@ def test_tensor_subclass_all_gather_hooks_parity(world_size: int, reshard_after_
     run_ranks(world_size, _subclass_parity, reshard_after_forward)
 
 
+class SharedQLayer(nn.Module):
+    """Two blocks sharing one quantized layer (its weight all-gathers through the extension's hooks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        shared = QLinear(6, 6)
+        self.a = nn.Sequential(QLinear(6, 6), nn.Tanh(), shared)
+        self.b = nn.Sequential(shared, nn.Tanh(), QLinear(6, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def _shared_extension_weight(rank: int, world_size: int) -> None:
+    def shard(model: SharedQLayer) -> None:
+        for layer in dict.fromkeys(m for m in model.modules() if isinstance(m, QLinear)):
+            layer.weight = nn.Parameter(RowInt8Weight(layer.weight.detach().clone()))
+        fully_shard(model.a)
+        fully_shard(model.b)
+        fully_shard(model)  # takes the shared layer over from a's group: its rows are a's shards' local rows
+
+    run_parity(rank, world_size, SharedQLayer, shard, lambda g: regression_batch(g, 6, 3), mse_loss, rtol=1e-5, atol=1e-6)
+
+
+def test_extension_weight_shared_by_two_calls() -> None:
+    run_ranks(2, _shared_extension_weight)
+
+
 def _subclass_to_empty(rank: int, world_size: int) -> None:
     """``to_empty()`` after sharding a model that has real values (then a load), with a shard of no rows (the last
     layer's 3 rows on 4 ranks): every rank keeps the subclass, and it trains as the unsharded model."""

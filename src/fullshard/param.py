@@ -428,13 +428,14 @@ class ShardedParam:
         """
         rows = self.layout.rows_on(self.mesh_info.shard_rank)
         padded_chunk.zero_()
+        sharded = isinstance(original, DTensor)
         if self.extension is not None:
-            original = inner_tensor(original)
+            original = inner_tensor(original)  # (of a DTensor: the plain data of its local rows)
         if rows:
             if self.tp is not None and isinstance(original, DTensor) and original.device_mesh == self.tp.spec.mesh:
                 local = self.dp_rows(original.to_local())
-            elif isinstance(original, DTensor):
-                local = original.to_local()
+            elif sharded:
+                local = original.to_local() if isinstance(original, DTensor) else original
             else:
                 local = self.local_part(original)
             self.local_rows(padded_chunk).copy_(local)
