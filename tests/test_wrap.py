@@ -320,3 +320,36 @@ def test_prefetch_options_change_issue_order(options: dict[str, Any], forward: l
         assert gathers_then_scatter == ["ag", "rs", "ag"], backward  # block 0 gathered only when its backward starts
     else:
         assert gathers_then_scatter == ["ag", "ag", "rs"], backward
+
+
+class SharedOnly(nn.Module):
+    """Two blocks sharing one layer; the second holds nothing else."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        shared = nn.Linear(5, 5)
+        self.a = nn.Sequential(nn.Linear(5, 5), nn.Tanh(), shared)
+        self.b = nn.Sequential(shared)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+def _policies_on_a_shared_module(rank: int, world_size: int, policy: str) -> None:
+    from tests.models import mse_loss
+    from tests.parity import regression_batch
+    from tests.test_drop_in import SharedBlocks
+
+    classes = {nn.Linear} if policy == "linear" else {nn.Sequential}
+    for build in (SharedBlocks, SharedOnly):
+        _, model = run_parity(rank, world_size, build, lambda m: shard_model(m, auto_wrap_policy=ModuleWrapPolicy(classes)),
+                              lambda g: regression_batch(g, 5, 3), mse_loss)
+        assert model.a[2] is model.b[0] and isinstance(model.b[0].weight, DTensor)
+
+
+@pytest.mark.parametrize("policy", ["linear", "blocks"])
+def test_policies_on_a_module_shared_by_two_blocks(policy: str) -> None:
+    """The shared layer is picked once (a Linear policy), or left by the second block to the root (a block
+    policy); both train as the unsharded model. (A module was visited by each path and refused as picked twice.)"""
+    run_ranks(2, _policies_on_a_shared_module, policy)

@@ -105,15 +105,17 @@ def _modules_to_shard(
     the policy gives it alone; a module of an ``own_precision`` class is wrapped on its own, without mixed
     precision (``MixedPrecision._module_classes_to_ignore``)."""
     chosen: list[tuple[str, nn.Module, dict[str, Any]]] = []
-    taken: dict[nn.Parameter, str] = {}  # parameter -> the picked module that takes it
+    taken: dict[nn.Parameter, tuple[str, nn.Module]] = {}  # parameter -> the picked module that takes it
     ignored_params = {p for m in ignored for p in m.parameters()}
+    seen: set[nn.Module] = set()  # a module reached again by another path (shared by two parents) is decided
 
     def unwrapped_numel(module: nn.Module) -> int:
         return sum(p.numel() for p in module.parameters() if p not in taken and p not in ignored_params)
 
     def visit(name: str, module: nn.Module) -> None:
-        if module in ignored:
+        if module in ignored or module in seen:
             return
+        seen.add(module)
         if policy is None or not policy(module=module, recurse=True, nonwrapped_numel=unwrapped_numel(module)):
             return
         for child_name, child in module.named_children():
@@ -128,22 +130,30 @@ def _modules_to_shard(
             if numel == 0:
                 _explain_empty_pick(name, module, taken)
             chosen.append((name, module, picked if isinstance(picked, dict) else {}))
-            taken.update({p: name for p in module.parameters() if p not in taken})
+            taken.update({p: (name, module) for p in module.parameters() if p not in taken})
 
     visit("", root)
     return chosen
 
 
-def _explain_empty_pick(name: str, module: nn.Module, taken: dict[nn.Parameter, str]) -> None:
-    """Raise for a picked module with nothing left to shard, naming a shared parameter if that is why."""
+def _explain_empty_pick(name: str, module: nn.Module, taken: dict[nn.Parameter, tuple[str, nn.Module]]) -> None:
+    """Raise for a picked module with nothing left to shard, naming a shared parameter if that is why; return
+    when what it holds is a module shared with another pick (fully_shard leaves it to a call enclosing both)."""
+    inside = set(module.modules())
+    shared = False
     for param_name, param in module.named_parameters():
-        owner = taken.get(param)
-        if owner is not None and not owner.startswith(f"{name}."):
+        owner, owner_module = taken.get(param, ("", module))
+        holder = module.get_submodule(param_name.rpartition(".")[0])
+        if owner_module not in inside and holder in set(owner_module.modules()):
+            shared = True  # the same module under both
+        elif owner_module not in inside:  # (a module inside it, maybe picked first by another path, is its own)
             raise ValueError(
                 f"auto_wrap_policy picked module {name!r}, whose parameter {name}.{param_name} is shared with "
                 f"module {owner!r}, also picked: a parameter can be sharded only once; shard the modules that "
                 "share it together (e.g. leave both to their common parent)"
             )
+    if shared:
+        return
     raise ValueError(
         f"auto_wrap_policy picked module {name!r} ({type(module).__name__}), which would shard nothing: "
         "it has no parameters that are not ignored or already taken by a sharded submodule"
