@@ -339,6 +339,14 @@ def _module_shared_by_two_calls(rank: int, world_size: int, layout: str) -> None
 
 def _module_shared_without_common_call(rank: int, world_size: int) -> None:
     model = SharedBlocks()
+    bf16 = fullshard.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    fully_shard(model.a, mp_policy=bf16)
+    fully_shard(model.b, mp_policy=bf16)
+    with pytest.raises(ValueError, match=r"parameter '2.weight' belongs to a module shared by fully_shard calls .* "
+                                         r"gathered in torch.float32, while the call on 'Sequential' computes it in "
+                                         r"torch.bfloat16: pass the same mp_policy"):
+        fully_shard(model)  # (its forward would meet fp32 weights among bf16 activations)
+    model = SharedBlocks()
     fully_shard(model.a, reshard_after_forward=True)
     fully_shard(model.b, reshard_after_forward=True)  # nothing encloses both: a's group alone shards the module
     with pytest.raises((ValueError, TypeError), match=r"parameter '0.weight' is sharded by a fully_shard call outside "

@@ -210,7 +210,9 @@ def shard_modules(
         for buf_name, buf in mod.named_buffers(recurse=False):
             if buf.device != device and buf.device.type != "meta":
                 mod._buffers[buf_name] = buf.to(device)
-    for first in [*_ties_among(below), *_shared_beyond_owner(modules, below)]:  # modules below sharing a parameter
+    shared_modules = _shared_beyond_owner(modules, below)
+    _check_shared_precision(shared_modules, mp_policy)
+    for first in [*_ties_among(below), *shared_modules]:  # modules below sharing a parameter
         ties.setdefault(first.sharded, first)
         fqns.setdefault(first.sharded, first.fqn)
         sites.setdefault(first.sharded, [])
@@ -410,6 +412,22 @@ def _shared_beyond_owner(modules: list[nn.Module], below: dict[ShardedParam, Hoo
         if not all(any(u == o or u.startswith(o + ".") for o in own) for u in users):
             taken.append(_first_claimant(sp, below))
     return taken
+
+
+def _check_shared_precision(taken: list[ShardedParam], mp_policy: MixedPrecisionPolicy) -> None:
+    """Raise if a shared module this call takes over computed in another dtype under its own call (its users
+    there would meet parameters of another dtype than their inputs)."""
+    for sp in (sp for sp in taken if sp.orig_dtype.is_floating_point):
+        lower = group_of(sp.sharded)
+        assert lower is not None
+        theirs, ours = lower.param_compute_dtype(sp), mp_policy.param_dtype or sp.orig_dtype
+        if theirs != ours:
+            raise ValueError(
+                f"parameter {sp.fqn!r} belongs to a module shared by fully_shard calls that do not enclose each "
+                f"other; this call encloses them and takes it over, so it would be gathered in {ours}, while the "
+                f"call on {lower.label!r} computes it in {theirs}: pass the same mp_policy to these calls, or shard "
+                "the shared module on its own first (fully_shard(shared, mp_policy=...), then the others)"
+            )
 
 
 def _tied_with(first: ShardedParam, below: dict[ShardedParam, HookState]) -> list[ShardedParam]:
