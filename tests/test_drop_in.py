@@ -347,6 +347,15 @@ def _module_shared_without_common_call(rank: int, world_size: int) -> None:
                                          r"torch.bfloat16: pass the same mp_policy"):
         fully_shard(model)  # (its forward would meet fp32 weights among bf16 activations)
     model = SharedBlocks()
+    fully_shard(model.a)
+    fully_shard(model.b)
+    opt = torch.optim.SGD(model.a.parameters(), lr=0.1)  # holds a's sharded shared weight, which the next call replaces
+    fully_shard(model)
+    mse_loss(model, regression_batch(torch.Generator().manual_seed(rank), 5, 3)).backward()
+    with pytest.raises(ValueError, match=r"holds the original parameter 'a.2.weight', which fully_shard replaced .* an "
+                                         r"enclosing call replaced when it took it over"):
+        opt.step()  # (it stepped nothing, silently)
+    model = SharedBlocks()
     fully_shard(model.a, reshard_after_forward=True)
     fully_shard(model.b, reshard_after_forward=True)  # nothing encloses both: a's group alone shards the module
     with pytest.raises((ValueError, TypeError), match=r"parameter '0.weight' is sharded by a fully_shard call outside "

@@ -22,7 +22,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from fullshard.param import claimant_of, unsharded_owner
 
@@ -35,14 +34,16 @@ def refuse_replaced(opt: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: d
         return
     for group in opt.param_groups:
         for p in group["params"]:
-            if type(p) is DTensor or not p.requires_grad or p.grad is not None:
+            if not p.requires_grad or p.grad is not None:
                 continue  # an original with a gradient is still used (tied to a module fully_shard did not take)
             sharded = claimant_of(p)
-            if sharded is not None:
+            if sharded is not None and sharded.sharded is not p:
                 raise ValueError(
                     f"fullshard: {type(opt).__name__} holds the original parameter {sharded.fqn!r}, which "
-                    "fully_shard replaced with a sharded one: the model no longer uses it, so this step would "
-                    "train nothing. Build the optimizer after fully_shard, from model.parameters()."
+                    "fully_shard replaced with a sharded one (or the sharded parameter of a group below, which an "
+                    "enclosing call replaced when it took it over: a tie, or a module shared by two calls): the "
+                    "model no longer uses it, so this step would train nothing. Build the optimizer after "
+                    "fully_shard, from model.parameters()."
                 )
             owner = unsharded_owner(p)
             if owner is not None:
