@@ -579,11 +579,11 @@ class HookState:
             module.register_forward_pre_hook(_eager(self._pre_forward_hook), prepend=True, with_kwargs=True)
             module.register_forward_hook(_eager(self._post_forward_hook), prepend=False)
             module.register_forward_hook(_eager(self._forward_done), prepend=False, always_call=True)
-        self._callers: set[nn.Module] = set()
+        self._callers: set[nn.Module] = set()  # [Note: Parameters used without calling their module]
         # Calls of this state's modules counted as forwards run on their own (IterationContext.submodule_depth)
         # that have not finished yet, and whether the last one's output needs a backward.
         self._own_calls = 0
-        self._own_needs_backward = True  # [Note: Parameters used without calling their module]
+        self._own_needs_backward = True
 
     def add_caller(self, caller: nn.Module) -> None:
         """Treat every call of ``caller`` as a call of this state's module ([Note: Parameters used without calling
